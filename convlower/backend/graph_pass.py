@@ -1,0 +1,226 @@
+"""The post-grad graph pass that applies the rules, as an Inductor ``CustomGraphPass``.
+
+Inductor runs ``post_grad_custom_pre_pass`` on every aten graph it compiles: the inference
+graph, and the forward and backward graphs of a training step.  For each
+``aten.convolution`` (forward) and ``aten.convolution_backward`` (backward) node this pass
+decides a rule (proof, then selection), traces the rule's decomposition on the node's fake
+values, checks the traced result has the node's exact shape and dtype, and splices it in.
+Anything that goes wrong leaves the original node untouched and is recorded: a rule can
+never break a compile.
+
+``uuid()`` names convlower's version, its source and the options, so Inductor's FX graph
+cache and the AOTAutograd cache never hand out an artifact compiled under other settings,
+and do reuse one compiled under the same settings.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import operator
+import json
+import logging
+import os
+from typing import Any, Optional
+
+import sympy
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from .. import __version__
+from ..decompositions import convolution as conv_decomp
+from ..lowerings import RULES
+from ..lowerings.proof import check
+from ..lowerings.rule import ConvCall, sym
+from . import report as _report
+from .options import Options
+from .selection import choose
+
+log = logging.getLogger("convlower")
+aten = torch.ops.aten
+
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _source_files() -> tuple[str, ...]:
+    out = []
+    for root, _, files in os.walk(_PKG_DIR):
+        out += [os.path.join(root, f) for f in files if f.endswith(".py")]
+    return tuple(sorted(out))
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)
+
+
+class RuleFailed(RuntimeError):
+    pass
+
+
+def _val(a):
+    return a.meta["val"] if isinstance(a, torch.fx.Node) else a
+
+
+def _shape_env(vals):
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(vals)
+    return mode.shape_env if mode is not None else None
+
+
+def _same_sizes(a, b, shape_env) -> bool:
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, torch.SymInt) or isinstance(y, torch.SymInt):
+            if shape_env is None or shape_env._maybe_evaluate_static(sympy.Eq(sym(x), sym(y))) is not sympy.true:
+                return False
+        elif int(x) != int(y):
+            return False
+    return True
+
+
+def _trace(fn, vals):
+    """Trace ``fn`` on fake values into an aten graph (Inductor's own replacement tracer)."""
+    from torch._inductor.pattern_matcher import fwd_only
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(vals)
+    with mode if mode is not None else contextlib.nullcontext():
+        return fwd_only(fn, vals)
+
+
+def _splice(graph: torch.fx.Graph, before: torch.fx.Node, gm: torch.fx.GraphModule,
+            inputs: list[torch.fx.Node]):
+    """Copy ``gm``'s nodes into ``graph`` before ``before``; return its output node(s)."""
+    env: dict[torch.fx.Node, Any] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(inputs):
+        raise RuleFailed(f"traced graph takes {len(placeholders)} inputs, expected {len(inputs)}")
+    env.update(zip(placeholders, inputs))
+    result = None
+    with graph.inserting_before(before):
+        for n in gm.graph.nodes:
+            if n.op == "call_function":
+                new = graph.call_function(n.target, torch.fx.map_arg(n.args, env.__getitem__),
+                                          torch.fx.map_arg(n.kwargs, env.__getitem__))
+                new.meta.update(n.meta)
+                new.meta["convlower"] = True
+                env[n] = new
+            elif n.op == "output":
+                result = torch.fx.map_arg(n.args[0], env.__getitem__)
+            elif n.op != "placeholder":
+                raise RuleFailed(f"traced graph has a {n.op} node")
+    return result
+
+
+class ConvLowerPass(CustomGraphPass):
+    def __init__(self, options: Options, graph_name: str = "graph"):
+        self.options = options
+        self.graph_name = graph_name
+
+    def uuid(self) -> Any:
+        key = json.dumps({"version": __version__, "options": self.options.key()}, sort_keys=True)
+        src = get_hash_for_files(_source_files())
+        return hashlib.sha256(key.encode() + src).hexdigest()
+
+    # -- the pass ---------------------------------------------------------------------------
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        rules = [RULES[n] for n in self.options.rules]
+        for node in list(graph.nodes):
+            if node.op != "call_function":
+                continue
+            if node.target is aten.convolution.default:
+                self._lower(graph, node, rules, backward=False)
+            elif node.target is aten.convolution_backward.default:
+                self._lower(graph, node, rules, backward=True)
+
+    def _decide(self, call: ConvCall, rules, shape_env, backward: bool, entry: dict):
+        verdicts = []
+        for rule in rules:
+            try:
+                verdicts.append(check(rule, call, shape_env, allow_guards=not backward))
+            except Exception as e:  # a broken condition must not break the compile
+                from ..lowerings.proof import Verdict
+
+                verdicts.append(Verdict(rule.name, False, rejected=f"condition check failed: {e!r}"))
+        entry["verdicts"] = [v.to_dict() for v in verdicts]
+        eligible = [RULES[v.rule] for v in verdicts if v.eligible]
+        rule, why, timings = choose(call, eligible, self.options.select)
+        entry["timings"] = timings
+        if rule is None:
+            rejected = "; ".join(f"{v.rule}: {v.rejected}" for v in verdicts if not v.eligible)
+            entry["reason"] = why if eligible or not rejected else rejected
+            return None, None
+        verdict = next(v for v in verdicts if v.rule == rule.name)
+        entry["reason"] = why
+        return rule, verdict
+
+    def _lower(self, graph, node, rules, backward: bool) -> None:
+        vals = [_val(a) for a in node.args]
+        if backward:
+            grad_out, x, w, bias_sizes = vals[0], vals[1], vals[2], vals[3]
+            call = ConvCall.from_args([x, w, bias_sizes, *vals[4:10]])
+        else:
+            call = ConvCall.from_args(vals)
+        shape_env = _shape_env([v for v in vals if isinstance(v, torch.Tensor)])
+        entry = {"graph": self.graph_name, "phase": "backward" if backward else "forward",
+                 "node": node.name, "call": call.describe(), "rule": None, "reason": "",
+                 "verdicts": [], "guards": [], "timings": {}}
+        try:
+            rule, verdict = self._decide(call, rules, shape_env, backward, entry)
+            if rule is not None:
+                self._replace(graph, node, rule, call, backward)
+                if shape_env is not None:
+                    verdict.install_guards(shape_env)
+                entry["guards"] = list(verdict.guards)
+                entry["rule"] = rule.name
+                entry["verdicts"] = [verdict.to_dict() if v["rule"] == rule.name else v
+                                     for v in entry["verdicts"]]
+        except Exception as e:  # fault containment: keep the original convolution
+            entry["rule"] = None
+            entry["reason"] = f"fell back to the original convolution: {type(e).__name__}: {e}"
+            _warn_once(f"convlower: {entry['reason']} (node {node.name} in {self.graph_name})")
+        _report.record("convolutions", entry)
+        log.debug("convlower %s %s: %s", entry["phase"], node.name, entry["rule"] or entry["reason"])
+
+    def _replace(self, graph, node, rule, call, backward: bool) -> None:
+        dtype = torch.bfloat16 if self.options.compute_dtype == "bfloat16" else None
+        old = node.meta["val"]
+        if backward:
+            mask = node.args[10]
+            inputs = [node.args[0], node.args[1], node.args[2]]
+            fn = conv_decomp.convolution_backward(rule, call, mask, dtype)
+        else:
+            inputs = [a for a in node.args[:3] if a is not None]
+            fn = conv_decomp.convolution(rule, call, dtype)
+        vals = [_val(a) for a in inputs]
+        gm = _trace(fn, vals)
+        outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        olds = old if isinstance(old, (tuple, list)) else (old,)
+        shape_env = _shape_env(vals)
+        for o, v in zip(outs, olds):
+            if (o is None) != (v is None):
+                raise RuleFailed("the rule's outputs do not match the convolution's")
+            if v is None:
+                continue
+            ov = o.meta["val"]
+            if ov.dtype != v.dtype or not _same_sizes(ov.shape, v.shape, shape_env):
+                raise RuleFailed(f"rule {rule.name} produced {tuple(ov.shape)} {ov.dtype}, "
+                                 f"expected {tuple(v.shape)} {v.dtype}")
+        if backward and any(u.target is not operator.getitem for u in node.users):
+            raise RuleFailed("convolution_backward result used other than by getitem")
+        new = _splice(graph, node, gm, inputs)
+        if backward:
+            new = new if isinstance(new, (tuple, list)) else (new,)
+            for user in list(node.users):
+                user.replace_all_uses_with(new[user.args[1]])
+                graph.erase_node(user)
+        else:
+            node.replace_all_uses_with(new)
+        graph.erase_node(node)

@@ -1,0 +1,60 @@
+"""patchify_mm: a non-overlapping convolution (kernel == stride) is patch extraction + mm.
+
+Identity.  With kernel == stride, no padding and no dilation, output position ``j`` in every
+spatial dim reads exactly the input block ``[j*k, j*k + k)``; blocks are disjoint and the
+trailing ``size mod k`` elements are read by no position.  So
+``out[n, o, j...] = bias[o] + sum_{c, i} w[o, c, i] * x[n, c, j*k + i]``: cut the input into
+its ``k``-blocks (``unfold(d, k, k)`` per dim, a view that drops the remainder exactly as the
+convolution does), lay each block out as a row, and multiply by the flattened weight.
+
+Conditions.  Not transposed; groups == 1; per spatial dim: kernel == stride, padding == 0,
+(dilation == 1 or kernel == 1).  No condition on sizes, so dynamic sizes need no guard.
+
+Emission.  ``unfold`` per dim -> permute to (N, out..., C, k...) -> rows -> ``addmm`` ->
+(N, out..., O) -> permute to (N, O, out...).  Covers 1x1(x1) pointwise convs (the rows are a
+view for channels-last input) and ViT/DiT patch embeddings.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+
+from .rule import Condition, ConvCall, Rule, common_conditions
+
+
+class PatchifyMM(Rule):
+    name = "patchify_mm"
+    summary = "kernel == stride, no padding: reshape into patches + mm"
+
+    def conditions(self, c: ConvCall) -> list[Condition]:
+        conds = common_conditions(c) + [Condition("groups == 1", sympy.Eq(c.groups, 1))]
+        for d in range(c.ndim):
+            k, s, p, dl = c.kernel[d], c.stride[d], c.padding[d], c.dilation[d]
+            conds += [
+                Condition(f"kernel[{d}] == stride[{d}]", sympy.Eq(k, s)),
+                Condition(f"padding[{d}] == 0", sympy.Eq(p, 0)),
+                Condition(f"dilation[{d}] == 1 or kernel[{d}] == 1", sympy.sympify(dl == 1 or k == 1)),
+            ]
+        return conds
+
+    def emit(self, c, x, weight, bias):
+        nd = c.ndim
+        blocks = x
+        for d, k in enumerate(c.kernel):
+            blocks = blocks.unfold(2 + d, k, k)  # (N, C, out..., k...) after the loop
+        n, ch = blocks.shape[0], blocks.shape[1]
+        outs = blocks.shape[2:2 + nd]
+        out_ch = weight.shape[0]
+        # rows ordered (N, out...), columns (C, k...) to match weight.reshape(O, -1)
+        rows = blocks.permute(0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
+        n_rows = n
+        for o in outs:
+            n_rows = n_rows * o
+        rows = rows.reshape(n_rows, weight[0].numel())
+        flat_w = weight.reshape(out_ch, -1)
+        out = torch.addmm(bias, rows, flat_w.t()) if bias is not None else rows @ flat_w.t()
+        out = out.view(n, *outs, out_ch)
+        return out.permute(0, nd + 1, *range(1, nd + 1))
+
+
+RULE = PatchifyMM()

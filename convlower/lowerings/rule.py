@@ -1,0 +1,121 @@
+"""What a lowering rule is: an identity, the conditions under which it holds, an emission.
+
+A rule never looks at an FX graph.  It sees one convolution call (:class:`ConvCall`, built from
+the fake tensors of an ``aten.convolution`` node), states its eligibility as sympy relations
+over the call's parameters and sizes (plain integers, or SymInt expressions under dynamic
+shapes), and emits the equivalent computation as ordinary torch ops on real or fake tensors.
+Whether the relations hold is decided by :mod:`convlower.lowerings.proof`; how the emission is
+spliced into the forward and backward graphs is :mod:`convlower.decompositions.convolution`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import sympy
+import torch
+
+
+def sym(v) -> sympy.Expr:
+    """A size or parameter as a sympy expression (SymInt -> its expression)."""
+    if isinstance(v, torch.SymInt):
+        return v.node.expr
+    return sympy.Integer(int(v))
+
+
+@dataclasses.dataclass(frozen=True)
+class Condition:
+    """One eligibility fact: a readable statement and the sympy relation that proves it."""
+
+    text: str
+    relation: sympy.Basic
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvCall:
+    """The arguments of one ``aten.convolution`` call, as the rules see them."""
+
+    x: torch.Tensor  # input (fake or real)
+    weight: torch.Tensor
+    has_bias: bool
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    transposed: bool
+    output_padding: tuple[int, ...]
+    groups: int
+
+    @property
+    def ndim(self) -> int:
+        """Number of spatial dims (1, 2 or 3)."""
+        return self.weight.dim() - 2
+
+    @property
+    def kernel(self) -> tuple[int, ...]:
+        return tuple(self.weight.shape[2:])
+
+    def in_size(self, d: int) -> sympy.Expr:
+        """Spatial input size of dim ``d`` (0-based among spatial dims)."""
+        return sym(self.x.shape[2 + d])
+
+    def out_size(self, d: int):
+        """Output size of spatial dim ``d`` by the convolution formula (int or SymInt)."""
+        k, s, p, dl = self.kernel[d], self.stride[d], self.padding[d], self.dilation[d]
+        return (self.x.shape[2 + d] + 2 * p - dl * (k - 1) - 1) // s + 1
+
+    def describe(self) -> dict:
+        def shape(t):
+            return [str(s) for s in t.shape]
+
+        return {
+            "input": shape(self.x),
+            "weight": shape(self.weight),
+            "bias": self.has_bias,
+            "stride": list(self.stride),
+            "padding": list(self.padding),
+            "dilation": list(self.dilation),
+            "transposed": self.transposed,
+            "output_padding": list(self.output_padding),
+            "groups": self.groups,
+            "dtype": str(self.x.dtype).replace("torch.", ""),
+            "device": str(self.x.device),
+        }
+
+    @staticmethod
+    def from_args(args: Sequence) -> "ConvCall":
+        """From ``aten.convolution`` args (x, w, b, stride, padding, dilation, transposed,
+        output_padding, groups); tensors are meta values (fake tensors)."""
+        x, w, b, stride, padding, dilation, transposed, output_padding, groups = args
+        n = w.dim() - 2
+
+        def expand(v):
+            v = tuple(int(i) for i in v)
+            return v * n if len(v) == 1 and n > 1 else v
+
+        return ConvCall(x, w, b is not None, expand(stride), expand(padding), expand(dilation),
+                        bool(transposed), expand(output_padding), int(groups))
+
+
+class Rule:
+    """Base class of a lowering rule.  Subclasses set ``name`` and ``summary`` and implement
+    :meth:`conditions` and :meth:`emit`."""
+
+    name: str = ""
+    summary: str = ""
+
+    def conditions(self, c: ConvCall) -> list[Condition]:
+        raise NotImplementedError
+
+    def emit(self, c: ConvCall, x: torch.Tensor, weight: torch.Tensor,
+             bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """The convolution's value, computed the lowered way.  ``c`` carries the parameters;
+        ``x``, ``weight``, ``bias`` are the tensors to compute with (their sizes may be SymInts)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<rule {self.name}>"
+
+
+def common_conditions(c: ConvCall) -> list[Condition]:
+    """Conditions every rule of this package needs: a plain (not transposed) convolution."""
+    return [Condition("not transposed", sympy.sympify(not c.transposed))]
