@@ -197,7 +197,10 @@ class ConvLowerPass(CustomGraphPass):
             fn = conv_decomp.convolution_backward(rule, call, mask, dtype)
         else:
             inputs = [a for a in node.args[:3] if a is not None]
-            fn = conv_decomp.convolution(rule, call, dtype)
+            conv = conv_decomp.convolution(rule, call, dtype)
+            # The tracer passes exactly one value per parameter: without a bias the traced
+            # function must take two (a defaulted third parameter made every bias-less conv fail).
+            fn = conv if call.has_bias else (lambda x, weight: conv(x, weight))
         vals = [_val(a) for a in inputs]
         gm = _trace(fn, vals)
         outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
