@@ -117,5 +117,7 @@ class Rule:
 
 
 def common_conditions(c: ConvCall) -> list[Condition]:
-    """Conditions every rule of this package needs: a plain (not transposed) convolution."""
-    return [Condition("not transposed", sympy.sympify(not c.transposed))]
+    """Conditions every rule of this package needs: a plain (not transposed) convolution with
+    at least one input channel per group (eager returns an empty result for zero channels)."""
+    return [Condition("not transposed", sympy.sympify(not c.transposed)),
+            Condition("in_channels per group > 0", sympy.Gt(sym(c.weight.shape[1]), 0))]
