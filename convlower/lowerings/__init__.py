@@ -2,7 +2,13 @@
 from .patch_linear import RULE as patch_linear
 from .patchify_mm import RULE as patchify_mm
 from .rule import Condition, ConvCall, Rule
+from .time_fold_conv2d import RULE as time_fold_conv2d
+from .time_sum_conv2d import RULE as time_sum_conv2d
+from .time_unfold_conv2d import RULE as time_unfold_conv2d
 
-RULES = {r.name: r for r in (patch_linear, patchify_mm)}
+# Exact patch rules first; then the Conv3d -> conv2d rules from the narrowest identity (no
+# duplicated activations) to the general ones.
+RULES = {r.name: r for r in (patch_linear, patchify_mm, time_fold_conv2d, time_unfold_conv2d,
+                             time_sum_conv2d)}
 
 __all__ = ["RULES", "Rule", "ConvCall", "Condition"]

@@ -1,0 +1,49 @@
+"""time_sum_conv2d: any Conv3d as a sum over its temporal taps of conv2d on time slices.
+
+Identity.  ``out[n, o, t] = bias[o] + sum_{i < kT} conv2d(xp[n, :, t*sT + i*dT], w[o, :, i])``
+where ``xp`` is the input zero-padded by ``pT`` frames on both sides.  For tap ``i`` the frames
+``t*sT + i*dT`` over all ``t`` are one strided slice of time (taken as tap ``i`` of the
+``unfold`` windows, a view whose size is the conv's own output formula); folding those frames
+into the batch gives one conv2d per tap with ``w[:, :, i]`` and the conv's own spatial
+parameters and groups.  Unlike time_unfold_conv2d no activation is duplicated ``kT`` times:
+each tap reads one copy of (at most) the input.
+
+Accumulation.  For bf16/fp16 inputs the partial sums are added in fp32 and rounded once at the
+end (summing kT rounded partials in bf16 doubles the error against an fp32 conv3d).
+
+Conditions.  3-D, not transposed.  Nothing on sizes (no guards).
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+
+from .rule import Condition, ConvCall, Rule, common_conditions
+from .time_unfold_conv2d import time_windows
+
+
+class TimeSumConv2d(Rule):
+    name = "time_sum_conv2d"
+    summary = "any Conv3d: sum over temporal taps of batched conv2d, fp32 accumulation"
+
+    def conditions(self, c: ConvCall) -> list[Condition]:
+        return common_conditions(c) + [Condition("3-D convolution", sympy.sympify(c.ndim == 3))]
+
+    def emit(self, c, x, weight, bias):
+        windows = time_windows(c, x)  # (N, C, T_out, H, W, kT), a view
+        n, ch, t_out, h, w = windows.shape[:5]
+        acc_dtype = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+        acc = None
+        for i in range(c.kernel[0]):
+            frames = windows[..., i].permute(0, 2, 1, 3, 4).reshape(n * t_out, ch, h, w)
+            y = torch.conv2d(frames, weight[:, :, i], None, c.stride[1:], c.padding[1:],
+                             c.dilation[1:], c.groups)
+            acc = y.to(acc_dtype) if acc is None else acc + y.to(acc_dtype)
+        if bias is not None:
+            acc = acc + bias.to(acc_dtype)[:, None, None]
+        n_o = acc.shape[1]
+        out = acc.view(n, t_out, n_o, *acc.shape[2:]).permute(0, 2, 1, 3, 4)
+        return out.to(x.dtype)
+
+
+RULE = TimeSumConv2d()
