@@ -34,7 +34,7 @@ class OptionError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Options:
     rules: tuple[str, ...]
-    select: str = "heuristic"
+    select: str = "measure"  # never slower: see docs/selection.md
     snake: str = "auto"
     platform: str = "auto"
     compute_dtype: Optional[str] = None
@@ -96,7 +96,7 @@ def parse(options: Optional[dict] = None, env: Optional[dict] = None) -> Options
     inductor = _inductor_passthrough(options)
     return Options(
         rules=_parse_rules(ours.get("rules", "all")),
-        select=_choice("select", ours.get("select", "heuristic"), SELECT_MODES),
+        select=_choice("select", ours.get("select", "measure"), SELECT_MODES),
         snake=_choice("snake", ours.get("snake", "auto"), SNAKE_ROUTES),
         platform=_choice("platform", ours.get("platform", "auto"), PLATFORMS),
         compute_dtype=_choice("compute_dtype", ours.get("compute_dtype"), COMPUTE_DTYPES),

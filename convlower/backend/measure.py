@@ -1,0 +1,303 @@
+"""Measured selection: time the original convolution and each eligible rule, keep the winner.
+
+Like Inductor's ``pad_mm``, this is a bounded compile-time micro-benchmark.  For one
+convolution call it builds real random tensors of the call's concrete sizes (size hints under
+dynamic shapes), on the call's device, dtype and memory layout (strides), and times eagerly:
+
+* forward: ``aten.convolution`` against each rule's forward decomposition;
+* backward: ``aten.convolution_backward`` against each rule's backward decomposition (autograd
+  of the rule's emission), with the node's output mask.
+
+A rule replaces the convolution only when it is faster by at least ``MARGIN`` (5%): within
+noise the original stays, so measuring never makes a model slower beyond noise.
+
+Decisions are cached in memory and on disk (``decisions.json``), keyed by device name, torch
+and convlower versions, phase, dtype, compute dtype, sizes, strides (layout), parameters and
+the candidate rules, so a later compile, in this process or another, does not measure again.
+The directory is ``$CONVLOWER_CACHE_DIR``, else ``~/.cache/convlower``, or what
+:func:`set_cache_dir` set.  The file is written atomically (temp file + ``os.replace``) with
+owner-only permissions; a corrupt or unreadable file is ignored with a warning.
+
+The timer is injectable (:func:`set_timer`) so the decision logic is tested without timings.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import threading
+import time
+import warnings
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .. import __version__
+from ..lowerings.rule import ConvCall, Rule
+
+log = logging.getLogger("convlower")
+aten = torch.ops.aten
+
+MARGIN = 0.05  # a rule must be at least 5% faster than the original convolution
+BUDGET_S = float(os.environ.get("CONVLOWER_MEASURE_BUDGET_S", "3.0"))  # per convolution
+REPEATS = 5  # timed runs per candidate (after one warm-up), fewer if the budget runs out
+CACHE_FILE = "decisions.json"
+_FORMAT = 1
+
+# A timer: (label, fn, budget_s) -> seconds per call of fn.  label is "aten" or a rule name.
+Timer = Callable[[str, Callable[[], object], float], float]
+
+
+def default_timer(label: str, fn: Callable[[], object], budget_s: float) -> float:
+    """Best of up to REPEATS timed calls after one warm-up, within ``budget_s``."""
+    start = time.perf_counter()
+    fn()  # warm-up (allocations, library plans)
+    warm = time.perf_counter() - start
+    times = []
+    deadline = time.perf_counter() + max(budget_s - warm, 0.0)
+    while len(times) < REPEATS and (not times or time.perf_counter() < deadline):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+_timer: Timer = default_timer
+_cache_dir: Optional[str] = None
+_memory: dict[tuple[str, str], dict] = {}
+_lock = threading.Lock()
+
+
+def set_timer(timer: Optional[Timer]) -> Timer:
+    """Use ``timer`` for measurements (None: the default); return the previous one."""
+    global _timer
+    prev, _timer = _timer, timer or default_timer
+    return prev
+
+
+def set_cache_dir(path: Optional[str]) -> None:
+    """Keep decisions under ``path`` (None: back to $CONVLOWER_CACHE_DIR / ~/.cache/convlower)."""
+    global _cache_dir
+    _cache_dir = os.fspath(path) if path is not None else None
+
+
+def cache_dir() -> str:
+    if _cache_dir is not None:
+        return _cache_dir
+    env = os.environ.get("CONVLOWER_CACHE_DIR")
+    return env or os.path.join(os.path.expanduser("~"), ".cache", "convlower")
+
+
+def clear_memory() -> None:
+    """Forget the in-memory decisions (the disk cache stays)."""
+    with _lock:
+        _memory.clear()
+
+
+# -- the on-disk cache ---------------------------------------------------------------------------
+def _warn(msg: str) -> None:
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    log.warning(msg)
+
+
+def _read(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or data.get("format") != _FORMAT \
+                or not isinstance(data.get("decisions"), dict):
+            raise ValueError("not a convlower decision cache")
+        return data["decisions"]
+    except FileNotFoundError:
+        return {}
+    except Exception as e:  # corrupt or unreadable: ignore it, measure again
+        _warn(f"convlower: ignoring the decision cache {path}: {type(e).__name__}: {e}")
+        return {}
+
+
+def _write(directory: str, key: str, decision: dict) -> None:
+    path = os.path.join(directory, CACHE_FILE)
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a corrupt file was already reported; replace it
+            decisions = _read(path)  # merge with what other processes wrote meanwhile
+        decisions[key] = decision
+        fd, tmp = tempfile.mkstemp(prefix=".decisions-", suffix=".tmp", dir=directory)  # 0o600
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump({"format": _FORMAT, "decisions": decisions}, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as e:
+        _warn(f"convlower: could not write the decision cache in {directory}: {e}")
+
+
+def _lookup(key: str) -> Optional[dict]:
+    directory = cache_dir()
+    with _lock:
+        hit = _memory.get((directory, key))
+        if hit is None:
+            hit = _read(os.path.join(directory, CACHE_FILE)).get(key)
+            if isinstance(hit, dict):
+                _memory[(directory, key)] = hit
+        return hit if isinstance(hit, dict) else None
+
+
+def _store(key: str, decision: dict) -> None:
+    directory = cache_dir()
+    with _lock:
+        _memory[(directory, key)] = decision
+        _write(directory, key, decision)
+
+
+# -- what a measurement is about -----------------------------------------------------------------
+def _hint(v) -> int:
+    if isinstance(v, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import hint_int
+
+        return int(hint_int(v, fallback=8))
+    return int(v)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(device)
+        return f"{'hip' if torch.version.hip else 'cuda'}:{name}"
+    if device.type == "cpu":
+        model = platform.processor() or platform.machine()
+        with contextlib.suppress(OSError):
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")),
+                             model)
+        return f"cpu:{model}:{torch.get_num_threads()} threads"
+    return device.type
+
+
+def decision_key(call: ConvCall, candidates: Sequence[Rule], phase: str,
+                 output_mask: Optional[Sequence[bool]], compute_dtype: Optional[str]) -> str:
+    x, w = call.x, call.weight
+    return json.dumps({
+        "device": device_name(x.device), "torch": torch.__version__, "convlower": __version__,
+        "phase": phase, "mask": [bool(m) for m in output_mask] if output_mask else None,
+        "dtype": str(x.dtype), "compute_dtype": compute_dtype,
+        "x": [_hint(s) for s in x.shape], "x_stride": [_hint(s) for s in x.stride()],
+        "w": [_hint(s) for s in w.shape], "w_stride": [_hint(s) for s in w.stride()],
+        "bias": call.has_bias, "stride": list(call.stride), "padding": list(call.padding),
+        "dilation": list(call.dilation), "transposed": call.transposed,
+        "output_padding": list(call.output_padding), "groups": call.groups,
+        "candidates": [r.name for r in candidates],
+    }, sort_keys=True)
+
+
+def _real(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A random tensor with ``t``'s concrete sizes, strides, dtype and device."""
+    size = [_hint(s) for s in t.shape]
+    values = torch.randn(size, generator=gen, device=t.device, dtype=torch.float32).to(t.dtype)
+    try:
+        out = torch.empty_strided(size, [_hint(s) for s in t.stride()], device=t.device,
+                                  dtype=t.dtype)
+        return out.copy_(values)
+    except RuntimeError:  # overlapping strides (an expanded tensor): keep it contiguous
+        return values
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _benchmarks(call: ConvCall, candidates, phase, output_mask, compute_dtype):
+    """{label: fn} for the original and every candidate, on real tensors."""
+    from ..decompositions import convolution as decomp
+
+    device = call.x.device
+    gen = torch.Generator(device=device).manual_seed(0)  # never touches the user's RNG
+    x, w = _real(call.x, gen), _real(call.weight, gen)
+    b = torch.randn(w.shape[0], generator=gen, device=device).to(w.dtype) if call.has_bias else None
+    real = ConvCall.from_args([x, w, b, call.stride, call.padding, call.dilation, call.transposed,
+                               call.output_padding, call.groups])
+    params = (list(call.stride), list(call.padding), list(call.dilation), call.transposed,
+              list(call.output_padding), call.groups)
+    dtype = torch.bfloat16 if compute_dtype == "bfloat16" else None
+    sync = _sync(device)
+
+    def timed(fn):
+        def run():
+            out = fn()
+            sync()
+            return out
+        return run
+
+    fns = {}
+    if phase == "forward":
+        fns["aten"] = timed(lambda: aten.convolution(x, w, b, *params))
+        for r in candidates:
+            f = decomp.convolution(r, real, dtype)
+            fns[r.name] = timed(lambda f=f: f(x, w, b) if b is not None else f(x, w))
+    else:
+        mask = [bool(m) for m in (output_mask or (True, True, call.has_bias))]
+        grad = torch.randn(aten.convolution(x, w, b, *params).shape, generator=gen,
+                           device=device).to(x.dtype)
+        bias_sizes = [w.shape[0]] if call.has_bias else None
+        fns["aten"] = timed(lambda: aten.convolution_backward(grad, x, w, bias_sizes, *params, mask))
+        for r in candidates:
+            f = decomp.convolution_backward(r, real, mask, dtype)
+            fns[r.name] = timed(lambda f=f: f(grad, x, w))
+    return fns
+
+
+def _fake_mode_off():
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+# -- the decision --------------------------------------------------------------------------------
+def choose_by_measurement(call: ConvCall, candidates: Sequence[Rule], *, phase: str = "forward",
+                          output_mask: Optional[Sequence[bool]] = None,
+                          compute_dtype: Optional[str] = None
+                          ) -> tuple[Optional[Rule], str, dict]:
+    """Return (the fastest rule or None for the original, why, {label: seconds})."""
+    by_name = {r.name: r for r in candidates}
+    key = decision_key(call, candidates, phase, output_mask, compute_dtype)
+    hit = _lookup(key)
+    if hit is not None and (hit.get("rule") is None or hit.get("rule") in by_name):
+        rule = by_name.get(hit.get("rule"))
+        return rule, f"{hit.get('why', 'measured')} (cached)", dict(hit.get("timings", {}))
+
+    timings: dict[str, float] = {}
+    errors = []
+    try:
+        with _fake_mode_off(), torch.no_grad():
+            fns = _benchmarks(call, candidates, phase, output_mask, compute_dtype)
+            share = BUDGET_S / len(fns)
+            timings["aten"] = float(_timer("aten", fns.pop("aten"), share))
+            for name, fn in fns.items():
+                try:
+                    timings[name] = float(_timer(name, fn, share))
+                except Exception as e:  # a rule that fails here is not chosen
+                    errors.append(f"{name} failed: {type(e).__name__}: {e}")
+    except Exception as e:  # cannot measure (e.g. out of memory): keep the original
+        return None, f"measurement failed, kept the original: {type(e).__name__}: {e}", timings
+
+    base = timings["aten"]
+    best = min((n for n in timings if n != "aten"), key=timings.get, default=None)
+    if best is not None and timings[best] <= (1.0 - MARGIN) * base:
+        rule, why = by_name[best], (f"measured: {best} takes {timings[best] / base:.2f}x "
+                                    f"the original's time")
+    else:
+        shown = f"best rule {best} takes {timings[best] / base:.2f}x" if best else "no rule ran"
+        rule, why = None, f"measured: kept the original ({shown}; a rule must be >= " \
+                          f"{MARGIN:.0%} faster)"
+    if errors:
+        why += "; " + "; ".join(errors)
+    _store(key, {"rule": rule.name if rule else None, "why": why, "timings": timings})
+    return rule, why, timings
