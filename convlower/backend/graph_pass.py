@@ -118,6 +118,41 @@ def _splice(graph: torch.fx.Graph, before: torch.fx.Node, gm: torch.fx.GraphModu
     return result
 
 
+def _fold_pad(node: torch.fx.Node, vals) -> Optional[tuple]:
+    """A zero ``constant_pad_nd`` feeding a convolution (Wan's causal convs pad this way): its
+    symmetric part per spatial dim joins the conv's own padding, so a lowered conv pads inside
+    its conv2d instead of reading a materialised padded copy.  Returns (the pad's input node,
+    leftover pads or None, the call with the folded padding) or None."""
+    src = node.args[0]
+    if not (isinstance(src, torch.fx.Node) and src.target is aten.constant_pad_nd.default):
+        return None
+    pads = list(src.args[1])
+    value = src.args[2] if len(src.args) > 2 else src.kwargs.get("value", 0)
+    nd = vals[1].dim() - 2
+    if value != 0 or vals[6] or len(pads) > 2 * nd or \
+            not all(isinstance(p, int) and p >= 0 for p in pads):
+        return None
+    pads += [0] * (2 * nd - len(pads))
+    padding = list(ConvCall.from_args(vals).padding)
+    rest = list(pads)
+    for d in range(nd):  # F.pad order: last dim first, (before, after) each
+        i = 2 * (nd - 1 - d)
+        both = min(pads[i], pads[i + 1])
+        padding[d] += both
+        rest[i] -= both
+        rest[i + 1] -= both
+    if rest == pads:
+        return None
+    x = _val(src.args[0])
+    if any(rest):
+        from torch._guards import detect_fake_mode
+
+        with detect_fake_mode([x]) or contextlib.nullcontext():
+            x = aten.constant_pad_nd(x, rest)
+    call = ConvCall.from_args([x, vals[1], vals[2], vals[3], padding, *vals[5:9]])
+    return src.args[0], (rest if any(rest) else None), call
+
+
 class ConvLowerPass(CustomGraphPass):
     def __init__(self, options: Options, graph_name: str = "graph"):
         self.options = options
@@ -150,7 +185,10 @@ class ConvLowerPass(CustomGraphPass):
                 verdicts.append(Verdict(rule.name, False, rejected=f"condition check failed: {e!r}"))
         entry["verdicts"] = [v.to_dict() for v in verdicts]
         eligible = [RULES[v.rule] for v in verdicts if v.eligible]
-        rule, why, timings = choose(call, eligible, self.options.select)
+        rule, why, timings = choose(call, eligible, self.options.select, phase=entry["phase"],
+                                    output_mask=entry.get("output_mask"),
+                                    compute_dtype=self.options.compute_dtype,
+                                    platform=self.options.platform)
         entry["timings"] = timings
         if rule is None:
             rejected = "; ".join(f"{v.rule}: {v.rejected}" for v in verdicts if not v.eligible)
@@ -165,16 +203,22 @@ class ConvLowerPass(CustomGraphPass):
         if backward:
             grad_out, x, w, bias_sizes = vals[0], vals[1], vals[2], vals[3]
             call = ConvCall.from_args([x, w, bias_sizes, *vals[4:10]])
+            fold = None
         else:
-            call = ConvCall.from_args(vals)
+            fold = _fold_pad(node, vals)
+            call = fold[2] if fold else ConvCall.from_args(vals)
         shape_env = _shape_env([v for v in vals if isinstance(v, torch.Tensor)])
         entry = {"graph": self.graph_name, "phase": "backward" if backward else "forward",
                  "node": node.name, "call": call.describe(), "rule": None, "reason": "",
                  "verdicts": [], "guards": [], "timings": {}}
+        if backward:
+            entry["output_mask"] = [bool(m) for m in node.args[10]]
+        if fold:
+            entry["pad_folded"] = list(node.args[0].args[1])
         try:
             rule, verdict = self._decide(call, rules, shape_env, backward, entry)
             if rule is not None:
-                self._replace(graph, node, rule, call, backward)
+                self._replace(graph, node, rule, call, backward, fold)
                 if shape_env is not None:
                     verdict.install_guards(shape_env)
                 entry["guards"] = list(verdict.guards)
@@ -188,7 +232,7 @@ class ConvLowerPass(CustomGraphPass):
         _report.record("convolutions", entry)
         log.debug("convlower %s %s: %s", entry["phase"], node.name, entry["rule"] or entry["reason"])
 
-    def _replace(self, graph, node, rule, call, backward: bool) -> None:
+    def _replace(self, graph, node, rule, call, backward: bool, fold=None) -> None:
         dtype = torch.bfloat16 if self.options.compute_dtype == "bfloat16" else None
         old = node.meta["val"]
         if backward:
@@ -198,6 +242,10 @@ class ConvLowerPass(CustomGraphPass):
         else:
             inputs = [a for a in node.args[:3] if a is not None]
             conv = conv_decomp.convolution(rule, call, dtype)
+            if fold:  # the rule computes on the pad's input; leftover (asymmetric) pads stay
+                inputs[0], rest, inner = fold[0], fold[1], conv
+                conv = lambda x, weight, bias=None: inner(
+                    aten.constant_pad_nd(x, rest) if rest else x, weight, bias)
             # The tracer passes exactly one value per parameter: without a bias the traced
             # function must take two (a defaulted third parameter made every bias-less conv fail).
             fn = conv if call.has_bias else (lambda x, weight: conv(x, weight))
