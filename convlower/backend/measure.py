@@ -160,9 +160,10 @@ def _store(key: str, decision: dict) -> None:
 # -- what a measurement is about -----------------------------------------------------------------
 def _hint(v) -> int:
     if isinstance(v, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import hint_int
+        # torch 2.13 has no hint_int; optimization_hint reads the hint without a guard
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-        return int(hint_int(v, fallback=8))
+        return int(optimization_hint(v, fallback=8))
     return int(v)
 
 
