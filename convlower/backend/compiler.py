@@ -15,10 +15,13 @@ from typing import Optional
 import torch
 
 from . import options as _options
+from . import stats as _stats
 from .graph_pass import ConvLowerPass
+from .snake_pass import route_snakes
 
 log = logging.getLogger("convlower")
 _graph_ids = itertools.count()
+_stats.install()  # at backend lookup, so graph breaks of the very first frame are seen too
 
 
 def _inductor(mode: Optional[str], inductor_options: dict):
@@ -32,5 +35,35 @@ def convlower_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[s
     """A ``torch.compile`` backend (entry point ``convlower``)."""
     opts = _options.parse(options)
     name = f"graph{next(_graph_ids)}"
+    try:  # before AOTAutograd, so an eager-safe Snake's backward stays opaque too
+        route_snakes(gm, opts, name)
+    except Exception:  # never break a compile: the graph goes to Inductor as it is
+        log.warning("convlower: Snake routing failed on %s", name, exc_info=True)
     patches = {"post_grad_custom_pre_pass": ConvLowerPass(opts, name)}
-    return _inductor(mode, dict(opts.inductor))(gm, example_inputs, config_patches=patches)
+    _stats.note_graph(name)
+    try:
+        return _inductor(mode, dict(opts.inductor))(gm, example_inputs, config_patches=patches)
+    except Exception as e:
+        if type(e).__module__.startswith("torch._dynamo"):
+            raise  # Dynamo's own control flow (restart, skip), not a failure
+        what = _failure(name, e)
+        if opts.fallback == "inductor":
+            log.warning("%s; compiling %s with plain Inductor (fallback='inductor')", what, name)
+            return _inductor(mode, dict(opts.inductor))(gm, example_inputs)
+        raise CompileError(f"{what}. Pass options={{'fallback': 'inductor'}} to compile such a "
+                           f"graph with plain Inductor, or leave the failing rule out of "
+                           f"options['rules']") from e
+
+
+class CompileError(RuntimeError):
+    """convlower could not compile a graph; the message names the graph and its rules."""
+
+
+def _failure(name: str, e: Exception) -> str:
+    from .report import records
+
+    rules = sorted({f"{c['rule']} ({c['phase']} {c['node']})" for c in records("convolutions")
+                    if c.get("graph") == name and c.get("rule")})
+    applied = f"rules applied: {', '.join(rules)}" if rules else "no convlower rule was applied"
+    first = (str(e).splitlines() or [""])[0]
+    return f"convlower failed to compile {name} ({applied}): {type(e).__name__}: {first}"

@@ -20,6 +20,7 @@ import operator
 import json
 import logging
 import os
+import time
 from typing import Any, Optional
 
 import sympy
@@ -32,6 +33,7 @@ from ..lowerings import RULES
 from ..lowerings.proof import check
 from ..lowerings.rule import ConvCall, sym
 from . import report as _report
+from . import stats as _stats
 from .options import Options
 from .selection import choose
 
@@ -118,6 +120,29 @@ def _splice(graph: torch.fx.Graph, before: torch.fx.Node, gm: torch.fx.GraphModu
     return result
 
 
+def _with_layout_of(fn, old):
+    """Wrap ``fn`` so each output has the strides of the node it replaces.  Graph outputs
+    (user-visible results, saved activations, gradients) must keep the layout the rest of
+    the compiled program was built for; other values may take whatever layout is cheapest."""
+    from torch._prims_common import suggest_memory_format
+
+    olds = old if isinstance(old, (tuple, list)) else (old,)
+
+    def wrapped(*args):
+        out = fn(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        fixed = []
+        for o, v in zip(outs, olds):
+            if o is not None and v is not None:
+                se = _shape_env([o, v])
+                if not _same_sizes(o.stride(), v.stride(), se):
+                    o = o.clone(memory_format=suggest_memory_format(v))
+            fixed.append(o)
+        return tuple(fixed) if isinstance(out, tuple) else fixed[0]
+
+    return wrapped
+
+
 def _fold_pad(node: torch.fx.Node, vals) -> Optional[tuple]:
     """A zero ``constant_pad_nd`` feeding a convolution (Wan's causal convs pad this way): its
     symmetric part per spatial dim joins the conv's own padding, so a lowered conv pads inside
@@ -165,6 +190,13 @@ class ConvLowerPass(CustomGraphPass):
 
     # -- the pass ---------------------------------------------------------------------------
     def __call__(self, graph: torch.fx.Graph) -> None:
+        start = time.perf_counter()
+        try:
+            self._run(graph)
+        finally:  # convlower's own share of the compile time (compile statistics)
+            _stats.note_pass(self.graph_name, time.perf_counter() - start)
+
+    def _run(self, graph: torch.fx.Graph) -> None:
         rules = [RULES[n] for n in self.options.rules]
         for node in list(graph.nodes):
             if node.op != "call_function":
@@ -250,7 +282,8 @@ class ConvLowerPass(CustomGraphPass):
             # function must take two (a defaulted third parameter made every bias-less conv fail).
             fn = conv if call.has_bias else (lambda x, weight: conv(x, weight))
         vals = [_val(a) for a in inputs]
-        gm = _trace(fn, vals)
+        feeds_output = backward or any(u.op == "output" for u in node.users)
+        gm = _trace(_with_layout_of(fn, old) if feeds_output else fn, vals)
         outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
         olds = old if isinstance(old, (tuple, list)) else (old,)
@@ -264,6 +297,9 @@ class ConvLowerPass(CustomGraphPass):
             if ov.dtype != v.dtype or not _same_sizes(ov.shape, v.shape, shape_env):
                 raise RuleFailed(f"rule {rule.name} produced {tuple(ov.shape)} {ov.dtype}, "
                                  f"expected {tuple(v.shape)} {v.dtype}")
+            if feeds_output and not _same_sizes(ov.stride(), v.stride(), shape_env):
+                raise RuleFailed(f"rule {rule.name} produced strides {ov.stride()}, "
+                                 f"expected {v.stride()}")
         if backward and any(u.target is not operator.getitem for u in node.users):
             raise RuleFailed("convolution_backward result used other than by getitem")
         new = _splice(graph, node, gm, inputs)

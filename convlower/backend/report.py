@@ -21,6 +21,16 @@ def record(kind: str, entry: dict) -> None:
         _records.setdefault(kind, []).append(entry)
 
 
+def records(kind: str) -> list[dict]:
+    """A copy of the records of one kind (no collection hooks run)."""
+    with _lock:
+        return copy.deepcopy(_records.get(kind, []))
+
+
+# Run by report() before the snapshot: compile statistics are collected lazily (stats.py).
+before_snapshot: list = []
+
+
 def reset_report() -> None:
     """Forget everything recorded so far."""
     with _lock:
@@ -30,6 +40,8 @@ def reset_report() -> None:
 
 def report() -> "Report":
     """A snapshot of what convlower decided since the last :func:`reset_report`."""
+    for hook in before_snapshot:
+        hook()
     with _lock:
         return Report(copy.deepcopy(_records))
 

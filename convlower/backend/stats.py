@@ -1,0 +1,390 @@
+"""Compile statistics: what Dynamo, AOTAutograd, Inductor and convlower did for each compile.
+
+One record per compile that convlower took part in (a Dynamo frame compile, and separately the
+lazily compiled backward of a training graph), appended to the report as kind ``"compiles"``:
+graphs, graph breaks (reason + user-code location), the recompile reason, exclusive compile
+time per phase (Dynamo, AOTAutograd, Inductor, code generation, convlower's own rule
+selection; they sum to the compile's total), FX-graph and AOTAutograd cache hits and misses,
+rewrites per rule and the shape guards convlower added.
+
+How: Dynamo records a ``CompilationMetrics`` entry when a compile ends; convlower notes its own
+events (a graph reached the backend, the pass ran for so long, a graph break was logged) with
+the compile id and a timestamp, and joins the two.  The metrics entry is written *after*
+Dynamo's end-of-compile callback, so records are collected lazily: when the next compile
+starts, when ``convlower.report()`` is called, at the end of ``convlower.warmup()``, or by
+:func:`collect`.  Each collected record is logged on the ``convlower`` logger (one line at
+INFO, the full record at DEBUG) and emitted as the structured-trace artifact
+``convlower_compile_stats`` so ``TORCH_TRACE`` + tlparse show it next to PyTorch's own.
+
+Every private torch API that statistics and warm-up use is wrapped in this module (section
+"torch internals"), so a torch upgrade breaks one file; each wrapper degrades to "unknown"
+instead of failing a compile.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import report as _report
+
+log = logging.getLogger("convlower")
+
+PHASES = ("dynamo", "aot_autograd", "inductor", "codegen", "convlower")
+ARTIFACT = "convlower_compile_stats"
+
+
+# -- torch internals (private APIs, wrapped here) -------------------------------------------
+def compilation_metrics() -> list:
+    """Dynamo's per-compile ``CompilationMetrics`` entries (the most recent 64 by default)."""
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+
+        return list(get_compilation_metrics())
+    except Exception:  # moved or renamed in another torch
+        return []
+
+
+def counters() -> dict[str, dict[str, int]]:
+    """A copy of ``torch._dynamo.utils.counters`` (cache hit/miss/bypass, graph breaks, ...)."""
+    try:
+        from torch._dynamo.utils import counters as c
+
+        return {k: dict(v) for k, v in c.items()}
+    except Exception:
+        return {}
+
+
+def cache_counts(before: dict, after: dict) -> dict[str, int]:
+    """FX-graph and AOTAutograd cache hits / misses / bypasses between two :func:`counters`."""
+    def delta(group, key):
+        return after.get(group, {}).get(key, 0) - before.get(group, {}).get(key, 0)
+
+    return {"fx_graph_hit": delta("inductor", "fxgraph_cache_hit"),
+            "fx_graph_miss": delta("inductor", "fxgraph_cache_miss"),
+            "fx_graph_bypass": delta("inductor", "fxgraph_cache_bypass"),
+            "aot_autograd_hit": delta("aot_autograd", "autograd_cache_hit"),
+            "aot_autograd_miss": delta("aot_autograd", "autograd_cache_miss"),
+            "aot_autograd_bypass": delta("aot_autograd", "autograd_cache_bypass")}
+
+
+def current_compile_id() -> Optional[str]:
+    try:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+        return None if cid is None else str(cid)
+    except Exception:
+        return None
+
+
+def _on_compile(start: Callable, end: Callable) -> bool:
+    try:
+        from torch._dynamo import callback
+
+        callback.on_compile_start(start)
+        callback.on_compile_end(end)
+        return True
+    except Exception:
+        return False
+
+
+def _graph_break_logger() -> Optional[logging.Logger]:
+    try:
+        return torch._logging.getArtifactLogger("torch._dynamo.symbolic_convert", "graph_breaks")
+    except Exception:
+        return None
+
+
+def trace_artifact(name: str, payload: dict, compile_id: Optional[str] = None) -> None:
+    """Emit a JSON structured-trace artifact (a no-op unless TORCH_TRACE / a trace handler is on)."""
+    try:
+        from torch._guards import CompileId
+
+        cid = CompileId.from_string(compile_id) if compile_id else None
+        torch._logging.trace_structured(
+            "artifact", metadata_fn=lambda: {"name": name, "encoding": "json"},
+            payload_fn=lambda: json.dumps(payload, default=str), compile_id=cid)
+    except Exception as e:
+        log.debug("convlower: could not emit trace artifact %s: %r", name, e)
+
+
+def clear_inductor_caches() -> None:
+    """Forget Inductor's in-memory caches (after its cache directory changed)."""
+    try:
+        from torch._inductor.utils import clear_caches
+
+        clear_caches()
+    except Exception:
+        pass
+
+
+def inductor_cache_dir() -> Optional[str]:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        return cache_dir()
+    except Exception:
+        return None
+
+
+def caches_disabled() -> bool:
+    """Whether Inductor's caches are forced off (config or TORCHINDUCTOR_FORCE_DISABLE_CACHES)."""
+    try:
+        return bool(torch._inductor.config.force_disable_caches)
+    except Exception:
+        return False
+
+
+# -- convlower's own events -----------------------------------------------------------------
+_lock = threading.RLock()
+_events: list[dict] = []           # {"t": us, "cid": str, "kind": "graph"|"pass"|"break", ...}
+_convlower_ids: set[str] = set()   # compile ids in which a graph reached the convlower backend
+_done: set[tuple] = set()          # metrics entries already turned into records
+_frames: dict[str, str] = {}       # compile id -> frame, for the backward's record
+_installed = False
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000
+
+
+def _event(kind: str, **data) -> None:
+    with _lock:
+        _events.append({"t": _now_us(), "cid": current_compile_id(), "kind": kind, **data})
+
+
+def note_graph(graph_name: str) -> None:
+    """Called by the backend for every graph it receives."""
+    install()
+    cid = current_compile_id()
+    with _lock:
+        if cid is not None:
+            _convlower_ids.add(cid)
+    _event("graph", graph=graph_name)
+
+
+def note_pass(graph_name: str, seconds: float) -> None:
+    """Called by the graph pass with the time it spent (proof, selection, tracing, splicing)."""
+    _event("pass", graph=graph_name, seconds=seconds)
+
+
+_BREAK_AT = re.compile(r"in user code at (.*):(\d+)")
+_BREAK_WHY = re.compile(r"Graph Break Reason: (.*)(?:\n\s*(Explanation: .*))?")
+
+
+class _GraphBreakHandler(logging.Handler):
+    """Reads Dynamo's graph-break log lines: 'Graph break in user code at FILE:LINE' +
+    'Graph Break Reason: ...'."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.getMessage()
+            at, why = _BREAK_AT.search(msg), _BREAK_WHY.search(msg)
+            if at is None and why is None:
+                return
+            _event("break", location=f"{at.group(1)}:{at.group(2)}" if at else "unknown",
+                   reason=" ".join(g.strip() for g in why.groups() if g) if why
+                   else msg.splitlines()[0])
+        except Exception:
+            pass
+
+
+_handler = _GraphBreakHandler(logging.DEBUG)
+
+
+def _arm_graph_break_log() -> None:
+    # Dynamo formats the location only when its graph_breaks log is enabled; enable it for our
+    # handler alone (propagate off) unless the user already enabled it (then share it).
+    lg = _graph_break_logger()
+    if lg is None:
+        return
+    if _handler not in lg.handlers:
+        lg.addHandler(_handler)
+    if not lg.isEnabledFor(logging.DEBUG):
+        lg.setLevel(logging.DEBUG)
+        lg.propagate = False
+
+
+def _on_start(args) -> None:
+    try:
+        collect()
+        _arm_graph_break_log()
+    except Exception as e:  # statistics must never break a compile
+        log.debug("convlower stats: %r", e)
+
+
+def _on_end(args) -> None:
+    pass  # the metrics entry is written after this callback; collected at the next start
+
+
+def install() -> None:
+    """Start recording (idempotent).  Done on first use of the backend and by warm-up."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        _installed = True
+    _on_compile(_on_start, _on_end)
+    _arm_graph_break_log()
+    _report.before_snapshot.append(collect)
+
+
+# -- records -------------------------------------------------------------------------------
+def _s(us: Optional[int]) -> float:
+    return (us or 0) / 1e6
+
+
+def _phases(m, pass_s: float) -> tuple[float, dict[str, float]]:
+    """Exclusive seconds per phase.  Dynamo's columns nest: frame > AOTAutograd > Inductor >
+    code generation, and convlower's pass runs inside Inductor before code generation."""
+    forward = m.is_forward is not False
+    if forward:
+        total = _s(m.dynamo_cumulative_compile_time_us)
+        aot = _s(m.aot_autograd_cumulative_compile_time_us)
+    else:  # the lazily compiled backward: all of it is AOTAutograd's backward compile
+        total = aot = _s(m.backward_cumulative_compile_time_us)
+    if not total and m.start_time_us and m.end_time_us:
+        total = _s(m.end_time_us - m.start_time_us)
+    inductor = _s(m.inductor_cumulative_compile_time_us)
+    codegen = _s(m.inductor_code_gen_cumulative_compile_time_us)
+    phases = {"dynamo": max(total - aot, 0.0), "aot_autograd": max(aot - inductor, 0.0),
+              "inductor": max(inductor - codegen - pass_s, 0.0), "codegen": codegen,
+              "convlower": pass_s}
+    return total, {k: round(v, 6) for k, v in phases.items()}
+
+
+def _frame(m) -> str:
+    if not m.co_name:  # a lazily compiled backward: name the forward's frame
+        return _frames.get(str(m.compile_id), "?")
+    where = f"{m.co_filename}:{m.co_firstlineno}" if m.co_filename else "?"
+    return f"{m.co_name or '?'} ({where})"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def summary_line(r: dict) -> str:
+    p = r["phases_s"]
+    c = r["cache"]
+    parts = [f"convlower compile {r['compile_id']} {r['phase']} {r['frame']}: "
+             f"{_plural(len(r['graphs']), 'graph')}, {_plural(len(r['graph_breaks']), 'graph break')}"
+             + "".join(f" at {b['location']}" for b in r["graph_breaks"][:1])]
+    if r["recompile_reason"]:
+        parts.append(f"recompile ({r['recompile_reason']})")
+    parts.append(f"{r['total_s']:.2f} s = " + " + ".join(f"{k} {p[k]:.2f}" for k in PHASES))
+    parts.append(f"cache fx {c['fx_graph_hit']} hit/{c['fx_graph_miss']} miss, "
+                 f"aot {c['aot_autograd_hit']} hit/{c['aot_autograd_miss']} miss")
+    rw = ", ".join(f"{k} x{v}" for k, v in sorted(r["rewrites"].items())) or "none"
+    parts.append(f"rewrites {rw}; {_plural(len(r['guards']), 'guard')}")
+    if r["failed"]:
+        parts.append(f"FAILED: {r['failed']}")
+    return "; ".join(parts)
+
+
+def _make_record(m, events: list[dict], convs: list[dict]) -> dict:
+    phase = "backward" if m.is_forward is False else "forward"
+    graphs = sorted({e["graph"] for e in events if e["kind"] in ("graph", "pass")},
+                    key=lambda g: (len(g), g))
+    pass_s = sum(e["seconds"] for e in events if e["kind"] == "pass")
+    total, phases = _phases(m, pass_s)
+    mine = [c for c in convs if c.get("graph") in graphs and c.get("phase") == phase]
+    rewrites: dict[str, int] = {}
+    for c in mine:
+        if c.get("rule"):
+            rewrites[c["rule"]] = rewrites.get(c["rule"], 0) + 1
+    breaks = [{"reason": e["reason"], "location": e["location"]} for e in events
+              if e["kind"] == "break"]
+    rec = {
+        "compile_id": str(m.compile_id), "phase": phase, "frame": _frame(m), "graphs": graphs,
+        "graph_breaks": breaks,
+        "recompile_reason": m.recompile_reason if phase == "forward" else None,
+        "total_s": round(total, 6), "phases_s": phases,
+        "cache": {"fx_graph_hit": m.inductor_fx_local_cache_hit_count or 0,
+                  "fx_graph_miss": m.inductor_fx_local_cache_miss_count or 0,
+                  "aot_autograd_hit": m.aotautograd_local_cache_hit_count or 0,
+                  "aot_autograd_miss": m.aotautograd_local_cache_miss_count or 0},
+        "rewrites": rewrites,
+        "guards": [g for c in mine for g in c.get("guards", [])],
+        "failed": m.fail_reason.splitlines()[0] if m.fail_reason else None,
+        "end_time_us": m.end_time_us,
+    }
+    rec["summary"] = summary_line(rec)
+    return rec
+
+
+def collect() -> list[dict]:
+    """Turn finished compiles into ``"compiles"`` report records; return the new records."""
+    if not _installed:
+        return []
+    new = []
+    with _lock:
+        metrics = compilation_metrics()
+        convs = _report.records("convolutions")
+        newest_end = 0
+        for m in metrics:
+            key = (str(m.compile_id), m.is_forward, m.start_time_us)
+            if key in _done or m.start_time_us is None or m.end_time_us is None:
+                continue
+            _done.add(key)
+            cid = str(m.compile_id)
+            evs = [e for e in _events
+                   if e["cid"] == cid and m.start_time_us <= e["t"] <= m.end_time_us]
+            ours = cid in _convlower_ids or any(e["kind"] != "break" for e in evs)
+            if not ours and not (evs and _convlower_ids):
+                continue  # another backend's compile (or a graph-less frame before convlower ran)
+            if m.co_name:
+                _frames[cid] = _frame(m)
+            new.append(_make_record(m, evs, convs))
+            newest_end = max(newest_end, m.end_time_us)
+        if newest_end:
+            _events[:] = [e for e in _events if e["t"] > newest_end]
+    for rec in new:
+        _report.record("compiles", rec)
+        log.info("%s", rec["summary"])
+        log.debug("convlower compile statistics: %s", json.dumps(rec, default=str, indent=1))
+        trace_artifact(ARTIFACT, rec, rec["compile_id"])
+    return new
+
+
+def totals(records: list[dict]) -> dict[str, Any]:
+    """Sum a list of ``"compiles"`` records (e.g. those of one warm-up)."""
+    out: dict[str, Any] = {
+        "compiles": len(records),
+        "graphs": len({g for r in records for g in r["graphs"]}),
+        "graph_breaks": [b for r in records for b in r["graph_breaks"]],
+        "recompiles": [{"compile_id": r["compile_id"], "reason": r["recompile_reason"]}
+                       for r in records if r["recompile_reason"]],
+        "total_s": round(sum(r["total_s"] for r in records), 6),
+        "phases_s": {k: round(sum(r["phases_s"][k] for r in records), 6) for k in PHASES},
+        "cache": {}, "rewrites": {}, "guards": [g for r in records for g in r["guards"]],
+        "failed": [r["failed"] for r in records if r["failed"]],
+    }
+    for r in records:
+        for k, v in r["cache"].items():
+            out["cache"][k] = out["cache"].get(k, 0) + v
+        for k, v in r["rewrites"].items():
+            out["rewrites"][k] = out["rewrites"].get(k, 0) + v
+    return out
+
+
+class window:
+    """``with stats.window() as w: ...`` -> ``w.records``: the compiles that ended inside."""
+
+    def __enter__(self) -> "window":
+        install()
+        collect()
+        self.start_us = _now_us()
+        self.records: list[dict] = []
+        return self
+
+    def __exit__(self, *exc) -> None:
+        collect()
+        self.records = [r for r in _report.records("compiles")
+                        if r.get("end_time_us", 0) >= self.start_us]
