@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import __version__, zoo
+from .backend import stats as _stats
 from .backend.amortize import DONT, amortize
 from .backend.report import report as conv_report, reset_report
 
@@ -131,24 +132,22 @@ def _tensors(x) -> list[torch.Tensor]:
 class _Watch:
     """Graph breaks, recompiles, graphs and cache hits of the compiles inside a ``with``.
 
-    Reads Dynamo's private counters and compilation metrics as deltas, so it has no side
-    effect on them.  A frame recompiled only because another backend owns its cache entry
+    Reads Dynamo's counters and compilation metrics (through the wrappers in
+    :mod:`convlower.backend.stats`) as deltas, so it works for any backend and changes no
+    state.  A frame recompiled only because another backend owns its cache entry
     (``BACKEND_MATCH``) is not counted as a recompile: the spike causes those itself.
     """
 
     def __enter__(self):
-        from torch._dynamo.utils import counters, get_compilation_metrics
-
-        self._breaks = dict(counters["graph_break"])
-        self._graphs = counters["stats"]["unique_graphs"]
-        self._seen = {id(m) for m in get_compilation_metrics()}
+        self._counters = _stats.counters()
+        self._seen = {id(m) for m in _stats.compilation_metrics()}
         return self
 
     def __exit__(self, *exc):
-        from torch._dynamo.utils import counters, get_compilation_metrics
-
-        new = [m for m in get_compilation_metrics() if id(m) not in self._seen]
-        breaks = {k: v - self._breaks.get(k, 0) for k, v in counters["graph_break"].items()}
+        after = _stats.counters()
+        new = [m for m in _stats.compilation_metrics() if id(m) not in self._seen]
+        before = self._counters.get("graph_break", {})
+        breaks = {k: v - before.get(k, 0) for k, v in after.get("graph_break", {}).items()}
         self.graph_break_reasons = sorted(k for k, v in breaks.items() if v > 0)
         self.graph_breaks = sum(max(v, 0) for v in breaks.values())
         reasons = [m.recompile_reason for m in new if m.recompile_reason
@@ -156,8 +155,9 @@ class _Watch:
         self.recompiles = len(reasons)
         self.recompile_reasons = reasons
         self.frames_compiled = len(new)
-        self.graphs = counters["stats"]["unique_graphs"] - self._graphs
-        total = lambda f: sum(getattr(m, f) or 0 for m in new)
+        graphs = lambda c: c.get("stats", {}).get("unique_graphs", 0)
+        self.graphs = graphs(after) - graphs(self._counters)
+        total = lambda f: sum(getattr(m, f, 0) or 0 for m in new)
         self.cache = {"fx_hits": total("inductor_fx_local_cache_hit_count"),
                       "fx_misses": total("inductor_fx_local_cache_miss_count"),
                       "aot_hits": total("aotautograd_local_cache_hit_count"),
@@ -187,7 +187,9 @@ class _Progress:
         try:
             from tqdm import tqdm
         except ImportError:
-            self.say(f"{desc}: {n} rounds")
+            tqdm = None
+        if tqdm is None or not sys.stderr.isatty():  # a log file gets one line, not a bar
+            self.say(desc)
             return range(n)
         return tqdm(range(n), desc=f"[spike] {desc}", file=sys.stderr, leave=False)
 
@@ -345,14 +347,15 @@ def run_spike(cfg: SpikeConfig) -> dict:
             if backend == "convlower":
                 reset_report()
             with inductor_config.patch(force_disable_caches=True), _Watch() as watch, \
-                    warnings.catch_warnings():
+                    _stats.window() as window, warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*force_disable_caches")
                 run.compile(backend, inductor_options)
                 res["cold_first_call_s"], _ = run.timed(backend)
                 run.step(backend)  # a second call shows recompiles (e.g. state changed by call 1)
             res.update(watch.to_dict())
-            if backend == "convlower":
+            if backend == "convlower":  # convlower's own statistics: where the compile time went
                 decisions = conv_report().to_dict()
+                res["compile_phases_s"] = _stats.totals(window.records)["phases_s"]
             progress.say(f"{backend}: warm compile (caches on)")
             torch._dynamo.reset()
             with _Watch() as fill:
@@ -474,6 +477,10 @@ def format_report(res: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
     out = [head, "", table, ""]
+    phases = b["convlower"].get("compile_phases_s")
+    if phases:
+        out += ["convlower cold compile by phase: "
+                + ", ".join(f"{k} {_ms(v)}" for k, v in phases.items()), ""]
     for x in COMPILED:
         out.append(f"{x}: {b[x]['verdict']} - {b[x]['reason']}")
         for why in b[x].get("graph_break_reasons") or []:
@@ -519,8 +526,8 @@ def plot(res: dict, path: str) -> str:
             n = b[x]["break_even_calls" if kind == "cold" else "break_even_calls_warm"]
             if n:
                 ax.plot([n], [c + step * n], "o", color=color)
-                ax.annotate(f"{x} {kind}: {n} calls", (n, c + step * n), textcoords="offset points", xytext=(4, -12),
-                            color=color, fontsize=8)
+                ax.annotate(f"{x} {kind}: {n} calls", (n, c + step * n), color=color,
+                            textcoords="offset points", xytext=(4, -12), fontsize=8)
     ax.set_xlabel("calls")
     ax.set_ylabel("cumulative time (s)")
     ax.set_title(f"{res['model']} ({res['dtype']}, {res['device']}): compile pays off at the dots",

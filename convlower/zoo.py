@@ -153,7 +153,7 @@ _SDXL_COMMON = dict(
 ZOO: dict[str, Entry] = {e.name: e for e in [
     Entry("qwen2.5-vl-patch-embed",
           "Qwen2.5-VL vision patch embedding: Conv3d kernel == stride == input (2,14,14); "
-          "expected: patch_linear (one mm). small = the real layer (embed 1280), 256 patches.",
+          "expected: lowered to one mm. small = the real layer (embed 1280), 256 patches.",
           {"tiny": dict(patch_size=14, temporal_patch_size=2, embed_dim=32, patches=16),
            "small": dict(patch_size=14, temporal_patch_size=2, embed_dim=1280, patches=256)},
           _qwen_patch_embed, "transformers"),
