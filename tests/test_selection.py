@@ -1,0 +1,218 @@
+"""Rule selection: measured (stubbed timer, disk cache), heuristic, always, and the report.
+
+No test here depends on real timings: the timer is injected.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import convlower
+from convlower.backend import measure, options, selection
+from convlower.lowerings import RULES
+from convlower.lowerings.rule import ConvCall
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def stub(times: dict, default: float = 2.0, calls: list | None = None):
+    """A timer that reports ``times[label]`` (``default`` otherwise) without running anything."""
+
+    def timer(label, fn, budget_s):
+        if calls is not None:
+            calls.append(label)
+        return times.get(label, default)
+
+    return timer
+
+
+@pytest.fixture
+def cache(tmp_path):
+    measure.set_cache_dir(tmp_path)
+    measure.clear_memory()
+    prev = measure.set_timer(None)
+    yield tmp_path
+    measure.set_timer(prev)
+    measure.set_cache_dir(None)
+    measure.clear_memory()
+
+
+def conv_call(shape=(1, 4, 4, 6, 6), kernel=(2, 2, 2), stride=(2, 2, 2), bias=True, dtype=torch.float32):
+    x = torch.randn(shape, dtype=dtype)
+    w = torch.randn(8, shape[1], *kernel, dtype=dtype)
+    b = torch.randn(8, dtype=dtype) if bias else None
+    return ConvCall.from_args([x, w, b, stride, (0, 0, 0), (1, 1, 1), False, (0, 0, 0), 1])
+
+
+CANDIDATES = [RULES["patchify_mm"], RULES["time_fold_conv2d"], RULES["time_unfold_conv2d"]]
+
+
+def test_measure_keeps_original_when_every_rule_is_slower(cache):
+    calls = []
+    measure.set_timer(stub({"aten": 1.0}, default=1.5, calls=calls))
+    rule, why, timings = measure.choose_by_measurement(conv_call(), CANDIDATES)
+    assert rule is None and "kept the original" in why
+    assert set(calls) == {"aten", *(r.name for r in CANDIDATES)}
+    assert timings == {"aten": 1.0, "patchify_mm": 1.5, "time_fold_conv2d": 1.5, "time_unfold_conv2d": 1.5}
+
+
+def test_measure_picks_fastest_rule_only_beyond_margin(cache):
+    measure.set_timer(stub({"aten": 1.0, "time_fold_conv2d": 0.8, "time_unfold_conv2d": 0.7}))
+    rule, why, _ = measure.choose_by_measurement(conv_call(), CANDIDATES)
+    assert rule is RULES["time_unfold_conv2d"] and "0.70x" in why
+    measure.clear_memory()
+    measure.set_cache_dir(cache / "other")
+    measure.set_timer(stub({"aten": 1.0, "time_fold_conv2d": 0.97}))  # within noise
+    rule, why, _ = measure.choose_by_measurement(conv_call(), CANDIDATES)
+    assert rule is None and "5%" in why
+
+
+def test_measure_timer_runs_real_benchmarks(cache):
+    """The default path builds real tensors and runs every candidate (the stub only records)."""
+    ran = []
+
+    def timer(label, fn, budget_s):
+        out = fn()
+        ran.append((label, tuple(out.shape) if isinstance(out, torch.Tensor) else len(out)))
+        assert budget_s > 0
+        return {"aten": 1.0}.get(label, 2.0)
+
+    measure.set_timer(timer)
+    call = ConvCall.from_args(
+        [torch.randn(2, 4, 5, 6, 6).to(memory_format=torch.channels_last_3d),
+         torch.randn(8, 4, 2, 2, 2), None, (2, 2, 2), (0, 0, 0), (1, 1, 1), False, (0, 0, 0), 1])
+    measure.choose_by_measurement(call, CANDIDATES)
+    assert ran == [("aten", (2, 8, 2, 3, 3))] + [(r.name, (2, 8, 2, 3, 3)) for r in CANDIDATES]
+    ran.clear()
+    measure.choose_by_measurement(call, CANDIDATES, phase="backward", output_mask=[True, True, False])
+    assert [r[0] for r in ran] == ["aten"] + [r.name for r in CANDIDATES]  # phase is in the key
+
+
+def test_failed_measurement_keeps_original(cache):
+    def timer(label, fn, budget_s):
+        raise RuntimeError("out of memory")
+
+    measure.set_timer(timer)
+    rule, why, _ = measure.choose_by_measurement(conv_call(), CANDIDATES)
+    assert rule is None and "measurement failed" in why
+
+
+def test_decision_cache_on_disk_reused_by_second_process(cache):
+    measure.set_timer(stub({"aten": 1.0, "time_fold_conv2d": 0.5}))
+    rule, why, _ = measure.choose_by_measurement(conv_call(), CANDIDATES)
+    assert rule is RULES["time_fold_conv2d"]
+    path = cache / measure.CACHE_FILE
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    data = json.loads(path.read_text())
+    (key, decision), = data["decisions"].items()
+    key = json.loads(key)
+    assert decision["rule"] == "time_fold_conv2d" and decision["timings"]["aten"] == 1.0
+    for field in ("device", "torch", "dtype", "x", "x_stride", "w", "stride", "padding", "groups"):
+        assert field in key
+    assert not [f for f in os.listdir(cache) if f.endswith(".tmp")]  # written atomically
+
+    script = textwrap.dedent("""
+        import sys, torch
+        sys.path.insert(0, sys.argv[1])
+        from test_selection import conv_call, CANDIDATES
+        from convlower.backend import measure
+        def timer(label, fn, budget_s):
+            raise AssertionError("measured again")
+        measure.set_timer(timer)
+        torch.manual_seed(1)
+        rule, why, timings = measure.choose_by_measurement(conv_call(), CANDIDATES)
+        print(rule.name, "|", why, "|", timings["aten"])
+    """)
+    env = dict(os.environ, CONVLOWER_CACHE_DIR=str(cache))
+    out = subprocess.run([sys.executable, "-c", script, os.path.join(REPO, "tests")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    name, why, aten = out.stdout.strip().split(" | ")
+    assert name == "time_fold_conv2d" and why.endswith("(cached)") and float(aten) == 1.0
+
+
+def test_key_separates_dtype_layout_and_shape(cache):
+    a = measure.decision_key(conv_call(), CANDIDATES, "forward", None, None)
+    b = measure.decision_key(conv_call(dtype=torch.bfloat16), CANDIDATES, "forward", None, None)
+    c = measure.decision_key(conv_call(shape=(1, 4, 6, 6, 6)), CANDIDATES, "forward", None, None)
+    x = torch.randn(1, 4, 4, 6, 6).to(memory_format=torch.channels_last_3d)
+    cl = conv_call()
+    d = measure.decision_key(ConvCall(x, *[getattr(cl, f) for f in (
+        "weight", "has_bias", "stride", "padding", "dilation", "transposed", "output_padding",
+        "groups")]), CANDIDATES, "forward", None, None)
+    e = measure.decision_key(conv_call(), CANDIDATES, "forward", None, "bfloat16")
+    assert len({a, b, c, d, e}) == 5
+
+
+def test_corrupt_cache_is_ignored_with_a_warning(cache):
+    (cache / measure.CACHE_FILE).write_text("{not json")
+    measure.set_timer(stub({"aten": 1.0, "time_fold_conv2d": 0.5}))
+    with pytest.warns(RuntimeWarning, match="ignoring the decision cache"):
+        rule, _, _ = measure.choose_by_measurement(conv_call(), CANDIDATES)
+    assert rule is RULES["time_fold_conv2d"]
+    data = json.loads((cache / measure.CACHE_FILE).read_text())  # replaced by a valid file
+    assert len(data["decisions"]) == 1
+
+
+def test_cache_dir_from_env_and_setter(tmp_path, monkeypatch):
+    measure.set_cache_dir(None)
+    monkeypatch.setenv("CONVLOWER_CACHE_DIR", str(tmp_path / "env"))
+    assert measure.cache_dir() == str(tmp_path / "env")
+    measure.set_cache_dir(tmp_path / "set")
+    assert measure.cache_dir() == str(tmp_path / "set")
+    measure.set_cache_dir(None)
+    monkeypatch.delenv("CONVLOWER_CACHE_DIR")
+    assert measure.cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "convlower")
+
+
+def test_default_select_is_measure():
+    assert options.parse({}, env={}).select == "measure"
+    assert options.parse({}, env={"CONVLOWER_SELECT": "heuristic"}).select == "heuristic"
+
+
+def test_heuristic_table():
+    mochi = conv_call(shape=(1, 8, 6, 8, 8))
+    dit = ConvCall.from_args([torch.randn(1, 16, 3, 8, 8), torch.randn(32, 16, 1, 2, 2), None,
+                              (1, 2, 2), (0, 0, 0), (1, 1, 1), False, (0, 0, 0), 1])
+    vae = ConvCall.from_args([torch.randn(1, 8, 5, 8, 8), torch.randn(8, 8, 3, 3, 3), None,
+                              (1, 1, 1), (1, 1, 1), (1, 1, 1), False, (0, 0, 0), 1])
+    choose = lambda call, names, **kw: selection.choose(call, [RULES[n] for n in names], "heuristic", **kw)[0]
+    assert choose(mochi, ["patchify_mm", "time_fold_conv2d", "time_unfold_conv2d"]) is RULES["time_fold_conv2d"]
+    assert choose(dit, ["patchify_mm", "time_fold_conv2d", "time_unfold_conv2d"]) is None
+    assert choose(vae, ["time_unfold_conv2d", "time_sum_conv2d"]) is None
+    assert choose(vae, ["time_unfold_conv2d", "time_sum_conv2d"], platform="hip") is RULES["time_unfold_conv2d"]
+    assert selection.choose(vae, [RULES["time_sum_conv2d"]], "always")[0] is RULES["time_sum_conv2d"]
+
+
+def _compile_once(opts, tol=1e-5):
+    conv = torch.nn.Conv3d(3, 4, (2, 3, 3), (2, 1, 1), (0, 1, 1))
+    x = torch.randn(1, 3, 4, 6, 6)
+    f = torch.compile(conv, backend="convlower", options=opts)
+    with torch.no_grad():
+        out, codes = run_and_get_code(f, x)
+        torch.testing.assert_close(out, conv(x), rtol=tol, atol=tol)
+    return codes[0], convlower.report().convolutions
+
+
+def test_compiled_measure_records_timings_and_keeps_slow_rules_out(cache):
+    measure.set_timer(stub({"aten": 1.0}, default=3.0))
+    code, (entry,) = _compile_once({"rules": ["time_fold_conv2d", "time_unfold_conv2d"]})
+    assert entry["rule"] is None and "kept the original" in entry["reason"]
+    assert entry["timings"] == {"aten": 1.0, "time_fold_conv2d": 3.0, "time_unfold_conv2d": 3.0}
+    assert "stride=(2, 1, 1)" in code  # the conv3d is still there
+
+    torch._dynamo.reset()
+    convlower.reset_report()
+    measure.set_timer(stub({"aten": 1.0, "time_unfold_conv2d": 0.5}, default=3.0))
+    code, (entry,) = _compile_once({"rules": ["time_fold_conv2d", "time_unfold_conv2d"],
+                                    "select": "measure", "compute_dtype": "bfloat16"}, tol=5e-2)
+    assert entry["rule"] == "time_unfold_conv2d" and entry["timings"]["time_unfold_conv2d"] == 0.5
+    assert "stride=(2, 1, 1)" not in code
