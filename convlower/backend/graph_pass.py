@@ -127,16 +127,19 @@ def _with_layout_of(fn, old):
     from torch._prims_common import suggest_memory_format
 
     olds = old if isinstance(old, (tuple, list)) else (old,)
+    # Decided before tracing: ``old``'s symbolic strides are not inputs of the traced
+    # function, so SymInt arithmetic on them inside the tracer fails ("not tracked").
+    formats = [suggest_memory_format(v) if v is not None else None for v in olds]
 
     def wrapped(*args):
         out = fn(*args)
         outs = out if isinstance(out, tuple) else (out,)
         fixed = []
-        for o, v in zip(outs, olds):
+        for o, v, fmt in zip(outs, olds, formats):
             if o is not None and v is not None:
                 se = _shape_env([o, v])
                 if not _same_sizes(o.stride(), v.stride(), se):
-                    o = o.clone(memory_format=suggest_memory_format(v))
+                    o = o.clone(memory_format=fmt)
             fixed.append(o)
         return tuple(fixed) if isinstance(out, tuple) else fixed[0]
 
