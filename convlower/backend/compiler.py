@@ -4,7 +4,8 @@
 :func:`convlower_backend`.  It validates the options, then hands the graph to Inductor exactly
 as ``backend="inductor"`` would (same mode handling, same config) with one addition: the
 post-grad custom pass that lowers convolutions.  A graph without an eligible convolution
-therefore compiles to the same kernels as under Inductor.
+therefore compiles to the same kernels as under Inductor.  Before that, Snake activations
+in the Dynamo graph are routed (snake_pass.py): on HIP + bf16 they become an opaque custom op.
 """
 from __future__ import annotations
 
