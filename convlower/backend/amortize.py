@@ -6,7 +6,9 @@ The rule users apply by hand after a short spike:
   * otherwise                                     -> "compile only for sessions of >= N calls"
 "stable" means the spread of the compiled step times is small against the gain
 (``spread <= stability * gain_per_call``).  N is the break-even call count: compile seconds
-divided by the seconds saved per call.
+divided by the seconds saved per call.  Thresholds are inclusive (a speed-up of exactly 15%
+is "at least 15%"), up to ``_EPS`` so that float rounding (1.15 / 1.0 - 1 < 0.15) does not move
+a boundary.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Optional
 DONT = "don't compile"
 SESSION_LOAD = "compile at session load"
 LONG_SESSIONS = "compile only for sessions of >= {n} calls"
+_EPS = 1e-9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,18 +54,18 @@ def amortize(eager_step_s: float, compiled_step_s: float, compile_s: float, *,
         raise ValueError(f"need 0 <= low <= high, got low={low}, high={high}")
     speedup = eager_step_s / compiled_step_s - 1.0
     saved = eager_step_s - compiled_step_s
-    break_even = math.ceil(compile_s / saved) if saved > 0 else None
-    stable = spread_s <= stability * saved if saved > 0 else False
-    if speedup < low:
+    break_even = math.ceil(compile_s / saved - _EPS) if saved > 0 else None
+    stable = spread_s <= stability * saved * (1 + _EPS) if saved > 0 else False
+    if speedup < low - _EPS:
         code, verdict = "dont", DONT
         reason = f"speed-up {speedup:+.1%} is below {low:.0%}"
-    elif speedup >= high and stable:
+    elif speedup >= high - _EPS and stable:
         code, verdict = "session_load", SESSION_LOAD
         reason = (f"speed-up {speedup:+.1%} >= {high:.0%} and stable (spread {spread_s * 1e3:.3g} ms"
                   f" vs {saved * 1e3:.3g} ms saved per call); pays off after {break_even} calls")
     else:
         code, verdict = "long_sessions", LONG_SESSIONS.format(n=break_even)
-        why = "unstable" if speedup >= high else f"below {high:.0%}"
+        why = "unstable" if speedup >= high - _EPS else f"below {high:.0%}"
         reason = f"speed-up {speedup:+.1%} ({why}); compile cost is repaid after {break_even} calls"
     return Amortization(eager_step_s, compiled_step_s, compile_s, speedup, saved, break_even,
                         stable, verdict, code, reason)
