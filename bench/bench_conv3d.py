@@ -1,0 +1,158 @@
+"""Conv3d shapes of video VAEs: eager, Inductor, each rule, convlower("measure"), side by side.
+
+    .venv/bin/python bench/bench_conv3d.py                 # all shapes, fp32 and bf16, + Wan decode
+    .venv/bin/python bench/bench_conv3d.py --shapes mochi --dtypes bf16 --no-vae
+
+Every variant of one shape is timed in the same rounds (interleaved), and the table prints
+ratios against Inductor (``x`` > 1 means faster than Inductor), so machine load cancels out as
+far as it can.  Also printed per shape: the compile-time cost of measuring (seconds spent in
+the timer, with a cold decision cache), and for fp32 the error of the opt-in ``compute_dtype="bfloat16"`` against fp32.
+Goals on a CPU: convlower(measure) / Inductor time <= 1.03 everywhere, >= 1.2x faster than
+Inductor on the Mochi downsample, and a whole small Wan VAE decode no slower than Inductor.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+import convlower
+from convlower.backend import measure
+from convlower.lowerings import RULES
+from convlower.lowerings.proof import check
+from convlower.lowerings.rule import ConvCall
+
+# name: (input shape, out channels, kernel, stride, padding).  Wan pads explicitly (F.pad), so
+# its convs see the padded input with padding 0: [1, 96, 6, 130, 130] is 4 frames of 128x128.
+SHAPES = {
+    "wan96": ([1, 96, 6, 130, 130], 96, (3, 3, 3), (1, 1, 1), (0, 0, 0)),
+    "wan192": ([1, 192, 6, 66, 66], 192, (3, 3, 3), (1, 1, 1), (0, 0, 0)),
+    "wan384": ([1, 384, 3, 18, 18], 384, (3, 3, 3), (1, 1, 1), (0, 0, 0)),
+    "wan_time": ([1, 192, 5, 66, 66], 192, (3, 1, 1), (2, 1, 1), (0, 0, 0)),
+    "mochi": ([1, 128, 14, 48, 48], 256, (2, 2, 2), (2, 2, 2), (0, 0, 0)),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def compiled(mod, backend, **opts):
+    # No dynamo.reset(): every variant keeps its compiled code (entries are per backend).
+    f = torch.compile(mod, backend=backend, options=opts or None)
+    return f
+
+
+def first_call(f, x):
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = f(x)
+    return out, time.perf_counter() - t
+
+
+def time_side_by_side(fns: dict, x, rounds: int) -> dict:
+    times = {k: [] for k in fns}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for k, f in fns.items():
+                t = time.perf_counter()
+                f(x)
+                times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def bench_shape(name, dtype_name, rounds):
+    shape, out_ch, k, s, p = SHAPES[name]
+    dtype = DTYPES[dtype_name]
+    torch.manual_seed(0)
+    conv = torch.nn.Conv3d(shape[1], out_ch, k, s, p).to(dtype).eval()
+    x = torch.randn(shape, dtype=dtype)
+    call = ConvCall.from_args([x, conv.weight, conv.bias, s, p, (1, 1, 1), False, (0, 0, 0), 1])
+    rules = [r for r in RULES if check(RULES[r], call).eligible]
+    fns, compile_s = {"eager": conv}, {}
+    with torch.no_grad():
+        ref = conv(x)
+    fns["inductor"] = compiled(conv, "inductor")
+    _, compile_s["inductor"] = first_call(fns["inductor"], x)
+    for r in rules:
+        fns[r] = compiled(conv, "convlower", rules=[r], select="always")
+        _, compile_s[r] = first_call(fns[r], x)
+    spent = [0.0]
+
+    def timer(label, fn, budget_s):  # the default timer, plus a clock on it
+        t0 = time.perf_counter()
+        try:
+            return measure.default_timer(label, fn, budget_s)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    with tempfile.TemporaryDirectory() as cache:  # a cold decision cache: it really measures
+        measure.set_cache_dir(cache)
+        measure.clear_memory()
+        prev = measure.set_timer(timer)
+        fns["measure"] = compiled(conv, "convlower", select="measure")
+        convlower.reset_report()
+        out, compile_s["measure"] = first_call(fns["measure"], x)
+        chose = [e["rule"] or "original" for e in convlower.report().convolutions]
+        measure.set_timer(prev)
+        measure.set_cache_dir(None)
+    errs = {"measure": rel_err(out, ref)}
+    if dtype == torch.float32:  # opt-in bf16 compute: time and error against fp32
+        fns["bf16c"] = compiled(conv, "convlower", select="always", compute_dtype="bfloat16")
+        out_b, compile_s["bf16c"] = first_call(fns["bf16c"], x)
+        errs["bf16c"] = rel_err(out_b, ref)
+    t = time_side_by_side(fns, x, rounds)
+    base = t["inductor"]
+    cols = " ".join(f"{k}={base / v:.2f}x" for k, v in t.items() if k != "inductor")
+    print(f"{name:9s} {dtype_name}  inductor {base * 1e3:8.1f} ms | {cols} | measure chose "
+          f"{','.join(chose)}; measure/inductor time {t['measure'] / base:.3f}; compile "
+          f"inductor {compile_s['inductor']:.1f} s, measure {compile_s['measure']:.1f} s of "
+          f"which measuring {spent[0]:.1f} s | "
+          + " ".join(f"err[{k}]={v:.1e}" for k, v in errs.items()), flush=True)
+
+
+def bench_wan_decode(rounds):
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(base_dim=32, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1,
+                           attn_scales=[], temperal_downsample=[False, True],
+                           latents_mean=[0.0] * 4, latents_std=[1.0] * 4).eval()
+    z = torch.randn(1, 4, 3, 32, 32)
+    decode = lambda z: vae.decode(z).sample
+    fns, compile_s = {"eager": decode}, {}
+    for name, backend, opts in [("inductor", "inductor", {}), ("measure", "convlower", {"select": "measure"})]:
+        fns[name] = compiled(decode, backend, **opts)
+        _, compile_s[name] = first_call(fns[name], z)
+    t = time_side_by_side(fns, z, rounds)
+    print(f"wan-vae decode {tuple(z.shape)}: inductor {t['inductor'] * 1e3:.0f} ms, eager "
+          f"{t['inductor'] / t['eager']:.2f}x, convlower(measure) {t['inductor'] / t['measure']:.2f}x"
+          f" of Inductor speed (time ratio {t['measure'] / t['inductor']:.3f}); compile "
+          f"inductor {compile_s['inductor']:.0f} s, convlower(measure) {compile_s['measure']:.0f} s",
+          flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--no-vae", action="store_true")
+    a = ap.parse_args()
+    torch._inductor.config.force_disable_caches = True  # honest cold compile times
+    torch._dynamo.config.recompile_limit = 64  # one entry per variant on Conv3d.forward
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ratios are speed "
+          f"relative to Inductor (>1 = faster), median of {a.rounds} interleaved rounds")
+    for dt in a.dtypes:
+        for s in a.shapes:
+            bench_shape(s, dt, a.rounds)
+    if not a.no_vae:
+        bench_wan_decode(a.rounds)
+
+
+if __name__ == "__main__":
+    main()
