@@ -175,7 +175,14 @@ def note_pass(graph_name: str, seconds: float) -> None:
 
 
 _BREAK_AT = re.compile(r"in user code at (.*):(\d+)")
-_BREAK_WHY = re.compile(r"Graph Break Reason: (.*)(?:\n\s*(Explanation: .*))?")
+_BREAK_WHY = re.compile(r"Graph Break Reason: (.*?)(?:\nUser code traceback:|$)", re.S)
+_BREAK_NOISE = ("Hint:", "Developer debug context:", "For more details")
+
+
+def _break_reason(text: str) -> str:
+    """Dynamo's reason block, minus hints and links, on one line."""
+    lines = [ln.strip() for ln in text.splitlines()]
+    return " ".join(ln for ln in lines if ln and not ln.startswith(_BREAK_NOISE))[:500]
 
 
 class _GraphBreakHandler(logging.Handler):
@@ -189,8 +196,7 @@ class _GraphBreakHandler(logging.Handler):
             if at is None and why is None:
                 return
             _event("break", location=f"{at.group(1)}:{at.group(2)}" if at else "unknown",
-                   reason=" ".join(g.strip() for g in why.groups() if g) if why
-                   else msg.splitlines()[0])
+                   reason=_break_reason(why.group(1)) if why else msg.splitlines()[0])
         except Exception:
             pass
 
