@@ -43,7 +43,9 @@ aten = torch.ops.aten
 
 MARGIN = 0.05  # a rule must be at least 5% faster than the original convolution
 BUDGET_S = float(os.environ.get("CONVLOWER_MEASURE_BUDGET_S", "3.0"))  # per convolution
-REPEATS = 5  # timed runs per candidate (after one warm-up), fewer if the budget runs out
+REPEATS = 5  # timed samples per candidate and round (after one warm-up), fewer past the budget
+ROUNDS = 2  # candidates are timed in interleaved rounds, so a burst of load hits all of them
+MIN_SAMPLE_S = 1e-3  # a sample repeats a short op until it lasts about this long
 CACHE_FILE = "decisions.json"
 _FORMAT = 1
 
@@ -52,16 +54,20 @@ Timer = Callable[[str, Callable[[], object], float], float]
 
 
 def default_timer(label: str, fn: Callable[[], object], budget_s: float) -> float:
-    """Best of up to REPEATS timed calls after one warm-up, within ``budget_s``."""
+    """Seconds per call: best of up to REPEATS samples after one warm-up, within ``budget_s``.
+    A sample runs a short op several times (about MIN_SAMPLE_S) so timer resolution and
+    scheduling jitter do not dominate."""
     start = time.perf_counter()
     fn()  # warm-up (allocations, library plans)
     warm = time.perf_counter() - start
+    inner = max(1, min(50, int(MIN_SAMPLE_S / max(warm, 1e-7))))
     times = []
     deadline = time.perf_counter() + max(budget_s - warm, 0.0)
     while len(times) < REPEATS and (not times or time.perf_counter() < deadline):
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - t0) / inner)
     return min(times)
 
 
@@ -279,13 +285,18 @@ def choose_by_measurement(call: ConvCall, candidates: Sequence[Rule], *, phase: 
     try:
         with _fake_mode_off(), torch.no_grad():
             fns = _benchmarks(call, candidates, phase, output_mask, compute_dtype)
-            share = BUDGET_S / len(fns)
-            timings["aten"] = float(_timer("aten", fns.pop("aten"), share))
-            for name, fn in fns.items():
-                try:
-                    timings[name] = float(_timer(name, fn, share))
-                except Exception as e:  # a rule that fails here is not chosen
-                    errors.append(f"{name} failed: {type(e).__name__}: {e}")
+            share = BUDGET_S / (len(fns) * ROUNDS)
+            for _ in range(ROUNDS):  # best per label over interleaved rounds
+                for name, fn in list(fns.items()):
+                    try:
+                        t = float(_timer(name, fn, share))
+                        timings[name] = min(t, timings.get(name, t))
+                    except Exception as e:
+                        if name == "aten":
+                            raise
+                        del fns[name]  # a rule that fails here is not chosen
+                        timings.pop(name, None)
+                        errors.append(f"{name} failed: {type(e).__name__}: {e}")
     except Exception as e:  # cannot measure (e.g. out of memory): keep the original
         return None, f"measurement failed, kept the original: {type(e).__name__}: {e}", timings
 
