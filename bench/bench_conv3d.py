@@ -33,6 +33,8 @@ SHAPES = {
     "wan384": ([1, 384, 3, 18, 18], 384, (3, 3, 3), (1, 1, 1), (0, 0, 0)),
     "wan_time": ([1, 192, 5, 66, 66], 192, (3, 1, 1), (2, 1, 1), (0, 0, 0)),
     "mochi": ([1, 128, 14, 48, 48], 256, (2, 2, 2), (2, 2, 2), (0, 0, 0)),
+    # A DiT patch embedding (Wan/Hunyuan style): patchify_mm loses on it in fp32 on CPU.
+    "dit_patch": ([1, 16, 5, 60, 104], 1536, (1, 2, 2), (1, 2, 2), (0, 0, 0)),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

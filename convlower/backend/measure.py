@@ -60,6 +60,8 @@ def default_timer(label: str, fn: Callable[[], object], budget_s: float) -> floa
     start = time.perf_counter()
     fn()  # warm-up (allocations, library plans)
     warm = time.perf_counter() - start
+    if warm >= budget_s:  # a long op: its one run is the (conservative) measurement
+        return warm
     inner = max(1, min(50, int(MIN_SAMPLE_S / max(warm, 1e-7))))
     times = []
     deadline = time.perf_counter() + max(budget_s - warm, 0.0)
@@ -286,7 +288,10 @@ def choose_by_measurement(call: ConvCall, candidates: Sequence[Rule], *, phase: 
         with _fake_mode_off(), torch.no_grad():
             fns = _benchmarks(call, candidates, phase, output_mask, compute_dtype)
             share = BUDGET_S / (len(fns) * ROUNDS)
-            for _ in range(ROUNDS):  # best per label over interleaved rounds
+            start = time.perf_counter()
+            for i in range(ROUNDS):  # best per label over interleaved rounds
+                if i and time.perf_counter() - start > BUDGET_S:
+                    break  # long ops: one round is all the budget allows
                 for name, fn in list(fns.items()):
                     try:
                         t = float(_timer(name, fn, share))
