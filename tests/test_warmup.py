@@ -83,24 +83,33 @@ def _truncate(path, keep=40):
         f.write(data)
 
 
-def test_corrupt_cache_warns_and_still_compiles(two_processes, tmp_path):
+@pytest.mark.parametrize("what", ["everything", "modules"])
+def test_corrupt_cache_warns_and_still_compiles(two_processes, tmp_path, what):
+    """everything: artifacts, Inductor's cache entries, generated modules and kernels, rule
+    decisions.  modules: only the generated modules and kernels, behind valid cache entries
+    (Inductor fails on those; warm-up discards the Inductor cache and compiles again)."""
     cache, _, _ = two_processes
     bad = tmp_path / "cache"
     shutil.copytree(cache, bad)
-    (bad / wu.ARTIFACTS).write_bytes(b"not a cache")
     hit = 0
     for root, _, files in os.walk(bad / "inductor"):
         for name in files:
-            if name.endswith((".py", ".so")) or "fxgraph" in root or "aotautograd" in root:
+            entry = "fxgraph" in root or "aotautograd" in root
+            if name.endswith((".py", ".so")) or (entry and what == "everything"):
                 _truncate(os.path.join(root, name))
                 hit += 1
     assert hit >= 3
-    for name in os.listdir(bad / "convlower"):
-        (bad / "convlower" / name).write_text("{ truncated")
+    if what == "everything":
+        (bad / wu.ARTIFACTS).write_bytes(b"not a cache")
+        for name in os.listdir(bad / "convlower"):
+            (bad / "convlower" / name).write_text("{ truncated")
     r = _run_worker(bad)
-    print("\nwarnings with a corrupt cache:", *r["warnings"], sep="\n  ")
+    print(f"\nwarnings with a corrupt cache ({what}):", *r["warnings"], sep="\n  ")
     assert r["ok"]
-    assert any("ignoring cache artifacts" in w for w in r["warnings"]), r["warnings"]
+    if what == "everything":
+        assert any("ignoring cache artifacts" in w for w in r["warnings"]), r["warnings"]
+    else:
+        assert any("discarding that cache" in w for w in r["warnings"]), r["warnings"]
 
 
 def _artifacts_file(path, meta_overrides=None, payload=b"payload", cut=0):
