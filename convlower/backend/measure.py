@@ -23,6 +23,7 @@ The timer is injectable (:func:`set_timer`) so the decision logic is tested with
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -176,6 +177,13 @@ def _hint(v) -> int:
 
 
 def device_name(device: torch.device) -> str:
+    """What a timing depends on: GPU name, or CPU model and thread count."""
+    return _device_name(str(device), torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device: str, threads: int) -> str:
+    device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
         name = torch.cuda.get_device_name(device)
         return f"{'hip' if torch.version.hip else 'cuda'}:{name}"
@@ -185,7 +193,7 @@ def device_name(device: torch.device) -> str:
             with open("/proc/cpuinfo", encoding="utf-8") as f:
                 model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")),
                              model)
-        return f"cpu:{model}:{torch.get_num_threads()} threads"
+        return f"cpu:{model}:{threads} threads"
     return device.type
 
 
