@@ -53,9 +53,12 @@ def _source_files() -> tuple[str, ...]:
 _warned: set[str] = set()
 
 
-def _warn_once(msg: str) -> None:
-    if msg not in _warned:
-        _warned.add(msg)
+def _warn_once(msg: str, key: Optional[str] = None) -> None:
+    # ``key`` names the failure without node/graph names: a broken rule warns once, not once
+    # per convolution, phase and recompile.
+    key = msg if key is None else key
+    if key not in _warned:
+        _warned.add(key)
         log.warning(msg)
 
 
@@ -218,6 +221,9 @@ class ConvLowerPass(CustomGraphPass):
                 from ..lowerings.proof import Verdict
 
                 verdicts.append(Verdict(rule.name, False, rejected=f"condition check failed: {e!r}"))
+                _warn_once(f"convlower: rule {rule.name}: condition check failed: {e!r}; the rule "
+                           f"is skipped (node {entry['node']} in {self.graph_name})",
+                           key=f"{rule.name}: condition check failed: {e!r}")
         entry["verdicts"] = [v.to_dict() for v in verdicts]
         eligible = [RULES[v.rule] for v in verdicts if v.eligible]
         rule, why, timings = choose(call, eligible, self.options.select, phase=entry["phase"],
@@ -263,7 +269,8 @@ class ConvLowerPass(CustomGraphPass):
         except Exception as e:  # fault containment: keep the original convolution
             entry["rule"] = None
             entry["reason"] = f"fell back to the original convolution: {type(e).__name__}: {e}"
-            _warn_once(f"convlower: {entry['reason']} (node {node.name} in {self.graph_name})")
+            _warn_once(f"convlower: {entry['reason']} (node {node.name} in {self.graph_name})",
+                       key=entry["reason"])
         _report.record("convolutions", entry)
         log.debug("convlower %s %s: %s", entry["phase"], node.name, entry["rule"] or entry["reason"])
 
