@@ -241,7 +241,7 @@ def _compile_and_compare(fn, tensors, options, dynamic=False):
     compiled = torch.compile(fn, backend="convlower", options=options, dynamic=dynamic)
     out = compiled(*leaves_c)
     tol = TOL[dtype] if dtype != torch.float32 else 1e-4
-    scale = float(ref.abs().max()) if ref.numel() else 1.0
+    scale = float(ref.detach().abs().max()) if ref.numel() else 1.0
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol * scale)
     if ref.numel():
         g = torch.randn(ref.shape).to(dtype)
@@ -363,12 +363,16 @@ def dynamic_suite(backend: str = "convlower", how: str = "dynamic=True", shapes=
         model.zero_grad()
         out = compiled(x)
         out.square().mean().backward()
-        worst = max(worst, float((out - ref).abs().max()))
+        worst = max(worst, float((out - ref).detach().abs().max()))
         for p, g in zip(model.parameters(), ref_g):
             worst = max(worst, float((p.grad - g).abs().max() / (g.abs().max() + 1e-12)))
     lowered = collections.Counter((c["phase"], c["rule"]) for c in convlower.report().lowered())
+    fallbacks = [c["reason"] for c in convlower.report().convolutions if "fell back" in c["reason"]]
+    reasons = [m.recompile_reason for m in torch._dynamo.utils.get_compilation_metrics()
+               if getattr(m, "recompile_reason", None)]
     return {"compiles": frame_compiles(), "recompiles": frame_compiles() - 1,
-            "max_error": worst, "lowered": dict(lowered), "shapes": len(shapes)}
+            "max_error": worst, "lowered": dict(lowered), "shapes": len(shapes),
+            "fallbacks": fallbacks, "recompile_reasons": reasons}
 
 
 @pytest.mark.parametrize("how", ["dynamic=True", "mark_dynamic"])
