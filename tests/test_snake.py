@@ -222,8 +222,8 @@ def test_values_and_dtype_match_the_formula():
         if ref.dtype == BF16:  # the op computes in fp32: compare with fp32, then with bf16
             torch.testing.assert_close(out, formula(x.float(), a.float(), b.float()).to(BF16))
             torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
-        else:
-            torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+        else:  # the same operations in fp32: the same bits
+            assert torch.equal(out, ref)
 
 
 def test_gradients():

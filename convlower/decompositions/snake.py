@@ -32,8 +32,9 @@ def snake(x: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
     dtype = out_dtype(x, alpha, beta)
     c = _compute_dtype(dtype)
     x, alpha, beta = x.to(c), alpha.to(c), beta.to(c)
-    out = x + (beta + EPS).reciprocal() * torch.sin(alpha * x).pow(2)
-    return out.to(dtype).contiguous()
+    # the formula's operations, in place on fresh temporaries (operands commuted: same bits)
+    term = (alpha * x).sin_().square_() * (beta + EPS).reciprocal()
+    return term.add_(x).to(dtype).contiguous()
 
 
 @snake.register_fake
