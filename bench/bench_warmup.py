@@ -11,6 +11,9 @@ Models (random weights, small explicit configs, nothing downloaded):
   * wan_decoder: a small diffusers AutoencoderKLWan, decoding a (1, 4, 3, 8, 8) latent.
 
     .venv/bin/python bench/bench_warmup.py [--models qwen_patch,wan_decoder] [--iters 2]
+
+The FX graph cache key includes convlower's source files: while someone edits them, run the
+bench on a frozen copy (``cp -r convlower /tmp/snap/ && PYTHONPATH=/tmp/snap ...``).
 """
 from __future__ import annotations
 
@@ -66,8 +69,11 @@ def worker(name: str, cache_dir: str, iters: int) -> None:
     with torch.no_grad():
         compiled, r = convlower.warmup(model, inputs, cache_dir=cache_dir, iters=iters)
         ok = torch.allclose(compiled(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)
+    from convlower.backend.graph_pass import ConvLowerPass
+    from convlower.backend.options import parse
+
     print("RESULT " + json.dumps({
-        "compile_s": r.compile_s, "first_step_s": r.first_step_s, "cache": r.cache,
+        "uuid": ConvLowerPass(parse(None)).uuid(), "compile_s": r.compile_s, "first_step_s": r.first_step_s, "cache": r.cache,
         "counts": r.cache_counts, "graphs": r.statistics["graphs"],
         "graph_breaks": len(r.statistics["graph_breaks"]), "verdict": r.verdict,
         "warmup_wall_s": time.perf_counter() - start, "ok": bool(ok), "warnings": r.warnings}))
@@ -99,6 +105,9 @@ def main() -> None:
             cold = run(name, cache, args.iters)
             warm = run(name, cache, args.iters)
         ratio = cold["compile_s"] / max(warm["compile_s"], 1e-9)
+        if cold["uuid"] != warm["uuid"]:
+            print(f"{name}: convlower's sources changed between the two processes (the cache "
+                  f"key includes them): the warm run was cold; rerun", flush=True)
         rows.append((name, cold, warm, ratio))
         print(f"{name}: cold {cold['compile_s']:.2f} s ({cold['cache']}), "
               f"warm {warm['compile_s']:.2f} s ({warm['cache']}), ratio {ratio:.1f}x", flush=True)

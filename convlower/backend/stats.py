@@ -144,7 +144,7 @@ def caches_disabled() -> bool:
 # -- convlower's own events -----------------------------------------------------------------
 _lock = threading.RLock()
 _events: list[dict] = []           # {"t": us, "cid": str, "kind": "graph"|"pass"|"break", ...}
-_convlower_ids: set[str] = set()   # compile ids in which a graph reached the convlower backend
+_convlower_ids: dict[str, int] = {}  # compile id -> when a graph of it reached the backend
 _done: set[tuple] = set()          # metrics entries already turned into records
 _frames: dict[str, str] = {}       # compile id -> frame, for the backward's record
 _installed = False
@@ -165,7 +165,7 @@ def note_graph(graph_name: str) -> None:
     cid = current_compile_id()
     with _lock:
         if cid is not None:
-            _convlower_ids.add(cid)
+            _convlower_ids[cid] = _now_us()
     _event("graph", graph=graph_name)
 
 
@@ -342,7 +342,11 @@ def collect() -> list[dict]:
             cid = str(m.compile_id)
             evs = [e for e in _events
                    if e["cid"] == cid and m.start_time_us <= e["t"] <= m.end_time_us]
-            ours = cid in _convlower_ids or any(e["kind"] != "break" for e in evs)
+            ours = any(e["kind"] != "break" for e in evs)
+            if m.is_forward is False:  # a backward served from the cache runs no pass
+                ours = ours or _convlower_ids.get(cid, m.start_time_us + 1) <= m.start_time_us
+            elif not ours:
+                _convlower_ids.pop(cid, None)  # ids restart after torch._dynamo.reset()
             if not ours and not (evs and _convlower_ids):
                 continue  # another backend's compile (or a graph-less frame before convlower ran)
             if m.co_name:
