@@ -138,6 +138,32 @@ def test_look_alikes_are_not_found(name):
     assert found(Fn(LOOK_ALIKES[name])) == []
 
 
+@pytest.mark.parametrize("fn, rewritten", [
+    (SPELLINGS["two-params"], True), (SPELLINGS["methods-x-times-x"], True),
+    (LOOK_ALIKES["eps-1e-8"], False), (LOOK_ALIKES["cos"], False),
+], ids=["two-params", "x-times-x", "eps-1e-8", "cos"])
+def test_rewrite_on_the_dynamo_graph(fn, rewritten):
+    # route_snakes alone (no Inductor): the rewritten graph runs eagerly and gives the same values
+    from convlower.backend.snake_pass import route_snakes
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        route_snakes(gm, opt.parse({"snake": "eager"}, env={}), "g")
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    m, x = Fn(fn), torch.randn(2, 4, 8)
+    out = torch.compile(m, backend=backend, fullgraph=True)(x)
+    ops = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert (torch.ops.convlower.snake.default in ops) == rewritten
+    if rewritten:
+        assert torch.sin not in ops  # the whole formula went, not just its last add
+    assert len(convlower.report().snake) == int(rewritten)
+    torch.testing.assert_close(out, fn(x, m.alpha, m.beta), rtol=0, atol=0)
+
+
 def test_canonical_spellings():
     g = torch.fx.Graph()
     t = g.placeholder("t")
