@@ -80,7 +80,8 @@ def test_spike_end_to_end(factories, tmp_path, capsys):
         assert r["speedup"] == pytest.approx(b["eager"]["step_median_s"] / r["step_median_s"] - 1)
         if r["break_even_calls"] is not None:
             saved = b["eager"]["step_median_s"] - r["step_median_s"]
-            assert r["break_even_calls"] == math.ceil(r["cold_compile_s"] / saved)
+            n = r["break_even_calls"]  # the first call count at which compiling has paid off
+            assert n * saved >= r["cold_compile_s"] * (1 - 1e-9) and (n - 1) * saved < r["cold_compile_s"]
     # kernel == stride: convlower lowers it (patchify_mm) or records why not; Inductor lowers nothing
     convs = b["convlower"]["convolutions"]
     assert convs and convs[0]["input"] == "1x4x4x8x8" and convs[0]["kernel"] == "2x2x2"

@@ -4,13 +4,13 @@ Identity.  With kernel == stride, no padding and no dilation, output position ``
 spatial dim reads exactly the input block ``[j*k, j*k + k)``; blocks are disjoint and the
 trailing ``size mod k`` elements are read by no position.  So
 ``out[n, o, j...] = bias[o] + sum_{c, i} w[o, c, i] * x[n, c, j*k + i]``: cut the input into
-its ``k``-blocks (``unfold(d, k, k)`` per dim, a view that drops the remainder exactly as the
-convolution does), lay each block out as a row, and multiply by the flattened weight.
+its ``k``-blocks (slice off the remainder, which the convolution drops too, and
+split each dim into (out, k)), lay each block out as a row, and multiply by the flattened weight.
 
 Conditions.  Not transposed; groups == 1; per spatial dim: kernel == stride, padding == 0,
 (dilation == 1 or kernel == 1).  No condition on sizes, so dynamic sizes need no guard.
 
-Emission.  ``unfold`` per dim -> permute to (N, out..., C, k...) -> rows -> ``addmm`` ->
+Emission.  slice + reshape per dim -> permute to (N, out..., C, k...) -> rows -> ``addmm`` ->
 (N, out..., O) -> permute to (N, O, out...).  Covers 1x1(x1) pointwise convs (the rows are a
 view for channels-last input) and ViT/DiT patch embeddings.
 """
@@ -39,18 +39,23 @@ class PatchifyMM(Rule):
 
     def emit(self, c, x, weight, bias):
         nd = c.ndim
-        blocks = x
-        for d, k in enumerate(c.kernel):
-            blocks = blocks.unfold(2 + d, k, k)  # (N, C, out..., k...) after the loop
-        n, ch = blocks.shape[0], blocks.shape[1]
-        outs = blocks.shape[2:2 + nd]
-        out_ch = weight.shape[0]
+        n, ch = x.shape[0], x.shape[1]
+        outs = [c.out_size(d) for d in range(nd)]  # == size // kernel, the conv's own formula
+        # Drop each dim's trailing remainder (a view), then split it into (out, kernel).
+        # Slices + reshape rather than unfold: Inductor (torch 2.13) mis-compiles the backward
+        # of unfold for size-1 and single-window cases.
+        kept = x[(slice(None), slice(None)) + tuple(slice(0, o * k) for o, k in zip(outs, c.kernel))]
+        split = [n, ch]
+        for o, k in zip(outs, c.kernel):
+            split += [o, k]
+        blocks = kept.reshape(split)  # (N, C, o0, k0, o1, k1, ...)
         # rows ordered (N, out...), columns (C, k...) to match weight.reshape(O, -1)
-        rows = blocks.permute(0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
+        rows = blocks.permute(0, *range(2, 2 + 2 * nd, 2), 1, *range(3, 3 + 2 * nd, 2))
         n_rows = n
         for o in outs:
             n_rows = n_rows * o
         rows = rows.reshape(n_rows, weight[0].numel())
+        out_ch = weight.shape[0]
         flat_w = weight.reshape(out_ch, -1)
         out = torch.addmm(bias, rows, flat_w.t()) if bias is not None else rows @ flat_w.t()
         out = out.view(n, *outs, out_ch)

@@ -1,0 +1,21 @@
+import os
+
+import pytest
+import torch
+
+# Tests never touch the user's caches.
+os.environ.setdefault("CONVLOWER_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "convlower"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    import convlower
+
+    # A graph served from Inductor's cache runs no pass and adds no report entry; tests that
+    # inspect the report need real compiles (cache behaviour is tested in subprocesses).
+    torch._inductor.config.force_disable_caches = True
+
+    torch._dynamo.reset()
+    convlower.reset_report()
+    yield
+    torch._dynamo.reset()
