@@ -416,6 +416,8 @@ def run_spike(cfg: SpikeConfig) -> dict:
         if c["rule"]:
             lowered[c["rule"]] = lowered.get(c["rule"], 0) + 1
     results["convlower"]["lowered_by_rule"] = lowered
+    results["convlower"]["snake"] = [{k: s.get(k) for k in ("graph", "node", "variant", "dtype", "route", "why")}
+                                     for s in decisions.get("snake", [])]
     results["inductor"]["convolutions"], results["inductor"]["lowered_by_rule"] = [], {}
 
     return {
@@ -447,6 +449,16 @@ def _ms(s: Optional[float]) -> str:
     if s is None:
         return "-"
     return f"{s * 1e6:.3g} us" if s < 1e-3 else f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def _short_reason(reason: str) -> str:
+    """'rule_a: cond is false; rule_b: ...' (every rule's rejection) -> 'no rule applies'."""
+    from .lowerings import RULES
+
+    parts = reason.removesuffix(" (cached)").split("; ")
+    if len(parts) > 1 and all(p.split(":")[0] in RULES for p in parts):
+        return f"no rule applies ({len(parts)} rules' conditions fail)"
+    return reason.removesuffix(" (cached)")
 
 
 def format_report(res: dict) -> str:
@@ -488,11 +500,23 @@ def format_report(res: dict) -> str:
         for why in b[x].get("recompile_reasons") or []:
             out.append(f"    recompile: {why.splitlines()[0]}")
     convs = b["convlower"].get("convolutions") or []
-    if convs:
-        out.append("\nconvolutions seen by convlower:")
+    if convs:  # identical rows grouped; the first clause of a reason (the JSON has all of it)
+        groups: dict[tuple, int] = {}
         for c in convs:
-            out.append(f"    {c['phase']:8} {c['input']:>18} k={c['kernel']:8} s={','.join(map(str, c['stride']))}"
-                       f"  -> {c['rule'] or 'kept: ' + c['reason']}")
+            why = c["rule"] or "kept: " + _short_reason(c["reason"])
+            key = (c["phase"], c["input"], c["kernel"], ",".join(map(str, c["stride"])), why)
+            groups[key] = groups.get(key, 0) + 1
+        out.append("\nconvolutions seen by convlower:")
+        for (phase, inp, kernel, stride, why), n in groups.items():
+            count = f" x{n}" if n > 1 else ""
+            out.append(f"    {phase:8} {inp:>18} k={kernel:8} s={stride:8} -> {why[:100]}{count}")
+    snake = b["convlower"].get("snake") or []
+    if snake:
+        routes: dict[str, int] = {}
+        for site in snake:
+            routes[site["route"]] = routes.get(site["route"], 0) + 1
+        out.append(f"\nSnake sites seen by convlower: {len(snake)} ("
+                   + ", ".join(f"{k} x{v}" for k, v in routes.items()) + ")")
     if res.get("steady_state_compiles"):
         out.append(f"\nwarning: {res['steady_state_compiles']} compile(s) during the timed rounds; "
                    "the step times include them")
