@@ -216,3 +216,13 @@ def test_spike_error_on_bad_settings():
         run_spike(SpikeConfig(model="mochi-downsample", size="tiny", runs=0, progress=False))
     with pytest.raises(SpikeError, match="unknown dtype"):
         run_spike(SpikeConfig(model="mochi-downsample", size="tiny", dtype="float8", progress=False))
+
+
+def test_short_reason_names_only_whole_rejections():
+    from convlower.lowerings import RULES
+    from convlower.spike import _short_reason
+
+    every = "; ".join(f"{name}: groups == 1 is false" for name in RULES)
+    assert _short_reason(every).startswith("no rule applies")
+    measured = "measured: kept the original (best rule x takes 1.7x; a rule must be >= 5% faster) (cached)"
+    assert _short_reason(measured) == measured.removesuffix(" (cached)")
