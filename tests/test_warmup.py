@@ -88,7 +88,7 @@ def test_corrupt_cache_warns_and_still_compiles(two_processes, tmp_path, what):
     """everything: artifacts, Inductor's cache entries, generated modules and kernels, rule
     decisions.  modules: only the generated modules and kernels, behind valid cache entries
     (Inductor fails on those; warm-up discards the Inductor cache and compiles again)."""
-    cache, _, _ = two_processes
+    cache, _, warm = two_processes
     bad = tmp_path / "cache"
     shutil.copytree(cache, bad)
     hit = 0
@@ -106,6 +106,7 @@ def test_corrupt_cache_warns_and_still_compiles(two_processes, tmp_path, what):
     r = _run_worker(bad)
     print(f"\nwarnings with a corrupt cache ({what}):", *r["warnings"], sep="\n  ")
     assert r["ok"]
+    assert r["uuid"] == warm["uuid"], "convlower's sources changed between the processes"
     if what == "everything":
         assert any("ignoring cache artifacts" in w for w in r["warnings"]), r["warnings"]
     else:

@@ -198,7 +198,9 @@ def _fresh_inductor_dir(cache_dir: str, error: Exception, warns: _Warnings) -> N
     """Inductor ignores an unreadable cache entry but fails on a corrupt cached module or
     kernel library; move the whole Inductor cache aside and compile from scratch."""
     inductor = os.path.join(cache_dir, "inductor")
-    first = (str(error).strip().splitlines() or [""])[-1][:300]
+    while getattr(error, "inner_exception", None) or error.__cause__:  # Dynamo wraps it
+        error = getattr(error, "inner_exception", None) or error.__cause__
+    first = (str(error).strip().splitlines() or [""])[0][:300]
     warns.add(f"convlower: compiling with the cache in {inductor} failed ({type(error).__name__}: "
               f"{first}); discarding that cache and compiling anyway")
     aside = f"{inductor}.discarded-{os.getpid()}"
