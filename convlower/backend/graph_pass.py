@@ -123,6 +123,17 @@ def _splice(graph: torch.fx.Graph, before: torch.fx.Node, gm: torch.fx.GraphModu
     return result
 
 
+def _same_layout(a, b, shape_env) -> bool:
+    """Same strides, or (when symbolic strides cannot be compared) both dense in the same
+    memory format, which fixes the strides given equal sizes."""
+    if _same_sizes(a.stride(), b.stride(), shape_env):
+        return True
+    from torch._prims_common import suggest_memory_format
+
+    fmt = suggest_memory_format(b)
+    return suggest_memory_format(a) == fmt and a.is_contiguous(memory_format=fmt)
+
+
 def _with_layout_of(fn, old):
     """Wrap ``fn`` so each output has the strides of the node it replaces.  Graph outputs
     (user-visible results, saved activations, gradients) must keep the layout the rest of
@@ -141,7 +152,7 @@ def _with_layout_of(fn, old):
         for o, v, fmt in zip(outs, olds, formats):
             if o is not None and v is not None:
                 se = _shape_env([o, v])
-                if not _same_sizes(o.stride(), v.stride(), se):
+                if not _same_layout(o, v, se):
                     o = o.clone(memory_format=fmt)
             fixed.append(o)
         return tuple(fixed) if isinstance(out, tuple) else fixed[0]
@@ -256,6 +267,7 @@ class ConvLowerPass(CustomGraphPass):
             entry["output_mask"] = [bool(m) for m in node.args[10]]
         if fold:
             entry["pad_folded"] = list(node.args[0].args[1])
+        n_guards = len(shape_env.guards) if shape_env is not None else 0
         try:
             rule, verdict = self._decide(call, rules, shape_env, backward, entry)
             if rule is not None:
@@ -263,6 +275,12 @@ class ConvLowerPass(CustomGraphPass):
                 if shape_env is not None:
                     verdict.install_guards(shape_env)
                 entry["guards"] = list(verdict.guards)
+                # Size checks made while tracing the emission (views of symbolic shapes) are
+                # guards too: record every one, so the report hides no recompile cause.
+                if shape_env is not None:
+                    proof_guards = len(verdict.guards)
+                    new = [str(g.expr) for g in shape_env.guards[n_guards:]]
+                    entry["guards"] += [f"emission: {g}" for g in new[:len(new) - proof_guards]]
                 entry["rule"] = rule.name
                 entry["verdicts"] = [verdict.to_dict() if v["rule"] == rule.name else v
                                      for v in entry["verdicts"]]
@@ -307,7 +325,7 @@ class ConvLowerPass(CustomGraphPass):
             if ov.dtype != v.dtype or not _same_sizes(ov.shape, v.shape, shape_env):
                 raise RuleFailed(f"rule {rule.name} produced {tuple(ov.shape)} {ov.dtype}, "
                                  f"expected {tuple(v.shape)} {v.dtype}")
-            if feeds_output and not _same_sizes(ov.stride(), v.stride(), shape_env):
+            if feeds_output and not _same_layout(ov, v, shape_env):
                 raise RuleFailed(f"rule {rule.name} produced strides {ov.stride()}, "
                                  f"expected {v.stride()}")
         if backward and any(u.target is not operator.getitem for u in node.users):
