@@ -54,7 +54,9 @@ class PatchifyMM(Rule):
         n_rows = n
         for o in outs:
             n_rows = n_rows * o
-        rows = rows.reshape(n_rows, weight[0].numel())
+        # An explicit contiguous copy, not reshape: reshape would pick view-or-copy from the
+        # strides seen while tracing, and Inductor may lay the input out differently later.
+        rows = rows.clone(memory_format=torch.contiguous_format).view(n_rows, weight[0].numel())
         out_ch = weight.shape[0]
         flat_w = weight.reshape(out_ch, -1)
         out = torch.addmm(bias, rows, flat_w.t()) if bias is not None else rows @ flat_w.t()
