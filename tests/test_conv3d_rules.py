@@ -197,5 +197,9 @@ def test_dynamic_frame_count_compiles_once(name):
             torch.testing.assert_close(f(x), conv(x), **TOL[torch.float32])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     entries = convlower.report().convolutions
-    assert len(entries) == 1 and entries[0]["rule"] == name and entries[0]["guards"] == []
+    # The proof needs no size fact (no guard from the rule); the emission's views of the
+    # symbolic frame count may add 0/1-style guards, which the report lists as "emission: ...".
+    assert len(entries) == 1 and entries[0]["rule"] == name
+    assert all(not g.startswith(("kernel", "size", "padding")) for g in entries[0]["guards"])
+    assert all(not v["guards"] for v in entries[0]["verdicts"])
     assert any(not s.isdigit() for s in entries[0]["call"]["input"])  # T really was symbolic
