@@ -310,7 +310,9 @@ class ConvLowerPass(CustomGraphPass):
             # function must take two (a defaulted third parameter made every bias-less conv fail).
             fn = conv if call.has_bias else (lambda x, weight: conv(x, weight))
         vals = [_val(a) for a in inputs]
-        feeds_output = backward or any(u.op == "output" for u in node.users)
+        # Keep the replaced node's strides everywhere, not only at graph outputs: downstream
+        # nodes' meta (and Inductor's view lowering) were computed for those strides.
+        feeds_output = True
         gm = _trace(_with_layout_of(fn, old) if feeds_output else fn, vals)
         outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
