@@ -395,11 +395,6 @@ def dynamic_suite_in_subprocess(backend="convlower", how="dynamic=True", options
     return {"crashed": p.returncode, "stderr_tail": p.stderr[-2000:]}
 
 
-# Known open bug (reported in the session note, issue 7 left open): training the 4-conv video
-# model under dynamic shapes with time_fold/time_unfold lowered aborts inside Inductor's
-# generated backward.  Not strict: the crash depends on the sizes Inductor picks.
-@pytest.mark.xfail(reason="open: heap-corruption abort in Inductor backward under dynamic shapes "
-                          "with time_fold/time_unfold lowered", strict=False)
 @pytest.mark.parametrize("how", ["dynamic=True", "mark_dynamic"])
 def test_dynamic_shapes_equal_eager_without_extra_recompiles(how):
     res = dynamic_suite_in_subprocess(how=how)

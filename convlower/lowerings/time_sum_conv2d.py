@@ -2,8 +2,8 @@
 
 Identity.  ``out[n, o, t] = bias[o] + sum_{i < kT} conv2d(xp[n, :, t*sT + i*dT], w[o, :, i])``
 where ``xp`` is the input zero-padded by ``pT`` frames on both sides.  For tap ``i`` the frames
-``t*sT + i*dT`` over all ``t`` are one strided slice of time (taken as tap ``i`` of the
-``unfold`` windows, a view whose size is the conv's own output formula); folding those frames
+``t*sT + i*dT`` over all ``t`` are one strided slice of time (a view whose length is the
+conv's own output formula); folding those frames
 into the batch gives one conv2d per tap with ``w[:, :, i]`` and the conv's own spatial
 parameters and groups.  Unlike time_unfold_conv2d no activation is duplicated ``kT`` times:
 each tap reads one copy of (at most) the input.
@@ -19,7 +19,7 @@ import sympy
 import torch
 
 from .rule import Condition, ConvCall, Rule, common_conditions
-from .time_unfold_conv2d import time_windows
+from .frames import time_taps
 
 
 class TimeSumConv2d(Rule):
@@ -30,12 +30,12 @@ class TimeSumConv2d(Rule):
         return common_conditions(c) + [Condition("3-D convolution", sympy.sympify(c.ndim == 3))]
 
     def emit(self, c, x, weight, bias):
-        windows = time_windows(c, x)  # (N, C, T_out, H, W, kT), a view
-        n, ch, t_out, h, w = windows.shape[:5]
+        taps = time_taps(c, x)  # kT strided views (N, C, T_out, H, W)
+        n, ch, t_out, h, w = taps[0].shape
         acc_dtype = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
         acc = None
-        for i in range(c.kernel[0]):
-            frames = windows[..., i].permute(0, 2, 1, 3, 4).reshape(n * t_out, ch, h, w)
+        for i, tap in enumerate(taps):
+            frames = tap.permute(0, 2, 1, 3, 4).reshape(n * t_out, ch, h, w)
             y = torch.conv2d(frames, weight[:, :, i], None, c.stride[1:], c.padding[1:],
                              c.dilation[1:], c.groups)
             acc = y.to(acc_dtype) if acc is None else acc + y.to(acc_dtype)
