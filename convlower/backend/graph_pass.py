@@ -253,8 +253,7 @@ class ConvLowerPass(CustomGraphPass):
     def _lower(self, graph, node, rules, backward: bool) -> None:
         vals = [_val(a) for a in node.args]
         if backward:
-            grad_out, x, w, bias_sizes = vals[0], vals[1], vals[2], vals[3]
-            call = ConvCall.from_args([x, w, bias_sizes, *vals[4:10]])
+            call = ConvCall.from_args(vals[1:10])  # (input, weight, bias_sizes, params...)
             fold = None
         else:
             fold = _fold_pad(node, vals)

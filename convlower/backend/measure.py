@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import platform
-import tempfile
 import threading
 import time
 import warnings
@@ -38,6 +37,7 @@ import torch
 
 from .. import __version__
 from ..lowerings.rule import ConvCall, Rule
+from .private_files import write_atomic
 
 log = logging.getLogger("convlower")
 aten = torch.ops.aten
@@ -135,15 +135,8 @@ def _write(directory: str, key: str, decision: dict) -> None:
             warnings.simplefilter("ignore")  # a corrupt file was already reported; replace it
             decisions = _read(path)  # merge with what other processes wrote meanwhile
         decisions[key] = decision
-        fd, tmp = tempfile.mkstemp(prefix=".decisions-", suffix=".tmp", dir=directory)  # 0o600
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"format": _FORMAT, "decisions": decisions}, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        text = json.dumps({"format": _FORMAT, "decisions": decisions}, indent=1, sort_keys=True)
+        write_atomic(path, text.encode("utf-8"))
     except OSError as e:
         _warn(f"convlower: could not write the decision cache in {directory}: {e}")
 

@@ -30,7 +30,6 @@ import os
 import shutil
 import statistics as _statistics
 import stat
-import tempfile
 import time
 import warnings
 from typing import Any, Optional, Sequence, Union
@@ -39,6 +38,7 @@ import torch
 
 from . import stats as _stats
 from .amortize import Amortization, amortize
+from .private_files import write_atomic
 
 log = logging.getLogger("convlower")
 
@@ -180,16 +180,7 @@ def _save_artifacts(path: str, warns: _Warnings) -> None:
             return  # nothing new (e.g. everything came from the cache directory): keep the file
         payload = saved[0]
         meta = dict(_header(), size=len(payload), sha256=hashlib.sha256(payload).hexdigest())
-        directory = os.path.dirname(path)
-        fd, tmp = tempfile.mkstemp(prefix=".artifacts-", suffix=".tmp", dir=directory)  # 0o600
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(_MAGIC + json.dumps(meta).encode() + b"\n" + payload)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_atomic(path, _MAGIC + json.dumps(meta).encode() + b"\n" + payload)
     except Exception as e:
         warns.add(f"convlower: could not save cache artifacts to {path}: {type(e).__name__}: {e}")
 

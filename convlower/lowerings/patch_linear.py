@@ -17,7 +17,7 @@ from __future__ import annotations
 import sympy
 import torch
 
-from .rule import Condition, ConvCall, Rule, common_conditions, sym
+from .rule import Condition, ConvCall, Rule, common_conditions
 
 
 class PatchLinear(Rule):
