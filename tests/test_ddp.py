@@ -53,6 +53,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str):
     import convlower
 
     torch.set_num_threads(1)
+    # The test reads per-conv report records, which a graph served from Inductor's cache (e.g.
+    # written by the other rank a moment earlier) does not produce: compile for real.
+    torch._inductor.config.force_disable_caches = True
     # DDPOptimizer requires first bucket <= bucket cap; its default first bucket is 1 MB
     dist._DEFAULT_FIRST_BUCKET_BYTES = 1000
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -397,7 +397,9 @@ def dynamic_suite_in_subprocess(backend="convlower", how="dynamic=True", options
 
 @pytest.mark.parametrize("how", ["dynamic=True", "mark_dynamic"])
 def test_dynamic_shapes_equal_eager_without_extra_recompiles(how):
-    res = dynamic_suite_in_subprocess(how=how)
+    # Rules forced: measured selection may rightly keep every original conv at these tiny
+    # sizes, and this test is about the lowered forms under dynamic shapes.
+    res = dynamic_suite_in_subprocess(how=how, options={"select": "always"})
     assert "crashed" not in res, res
     assert res["max_error"] < 1e-4, res
     assert not res["fallbacks"], res["fallbacks"]

@@ -30,7 +30,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from .. import __version__
 from ..decompositions import convolution as conv_decomp
 from ..lowerings import RULES
-from ..lowerings.proof import check
+from ..lowerings.proof import hint_holds, check
 from ..lowerings.rule import ConvCall, sym
 from . import report as _report
 from . import stats as _stats
@@ -77,12 +77,20 @@ def _shape_env(vals):
     return mode.shape_env if mode is not None else None
 
 
-def _same_sizes(a, b, shape_env) -> bool:
+def _same_sizes(a, b, shape_env, guard: bool = False) -> bool:
+    """Equal sizes, proven statically.  With ``guard``, an equality sympy cannot simplify
+    (e.g. ``(x**2)//(2*x)`` vs ``x//2``) that holds for the current sizes is installed as a
+    guard instead (recorded as an emission guard by the caller)."""
     if len(a) != len(b):
         return False
     for x, y in zip(a, b):
         if isinstance(x, torch.SymInt) or isinstance(y, torch.SymInt):
-            if shape_env is None or shape_env._maybe_evaluate_static(sympy.Eq(sym(x), sym(y))) is not sympy.true:
+            eq = sympy.Eq(sym(x), sym(y))
+            if shape_env is None:
+                return False
+            if shape_env._maybe_evaluate_static(eq) is sympy.true:
+                continue
+            if not (guard and hint_holds(eq, shape_env) and shape_env.evaluate_expr(eq)):
                 return False
         elif int(x) != int(y):
             return False
@@ -123,14 +131,15 @@ def _splice(graph: torch.fx.Graph, before: torch.fx.Node, gm: torch.fx.GraphModu
     return result
 
 
-def _same_layout(a, b, shape_env) -> bool:
+def _same_layout(a, b, shape_env, b_format=None) -> bool:
     """Same strides, or (when symbolic strides cannot be compared) both dense in the same
-    memory format, which fixes the strides given equal sizes."""
+    memory format, which fixes the strides given equal sizes.  Inside a trace, pass ``b``'s
+    format computed outside it (``b``'s SymInt strides are unknown to the tracer)."""
     if _same_sizes(a.stride(), b.stride(), shape_env):
         return True
     from torch._prims_common import suggest_memory_format
 
-    fmt = suggest_memory_format(b)
+    fmt = suggest_memory_format(b) if b_format is None else b_format
     return suggest_memory_format(a) == fmt and a.is_contiguous(memory_format=fmt)
 
 
@@ -152,7 +161,7 @@ def _with_layout_of(fn, old):
         for o, v, fmt in zip(outs, olds, formats):
             if o is not None and v is not None:
                 se = _shape_env([o, v])
-                if not _same_layout(o, v, se):
+                if not _same_layout(o, v, se, fmt):
                     o = o.clone(memory_format=fmt)
             fixed.append(o)
         return tuple(fixed) if isinstance(out, tuple) else fixed[0]
@@ -323,7 +332,8 @@ class ConvLowerPass(CustomGraphPass):
             if v is None:
                 continue
             ov = o.meta["val"]
-            if ov.dtype != v.dtype or not _same_sizes(ov.shape, v.shape, shape_env):
+            if ov.dtype != v.dtype or not _same_sizes(ov.shape, v.shape, shape_env,
+                                                      guard=not backward):
                 raise RuleFailed(f"rule {rule.name} produced {tuple(ov.shape)} {ov.dtype}, "
                                  f"expected {tuple(v.shape)} {v.dtype}")
             if feeds_output and not _same_layout(ov, v, shape_env):

@@ -32,7 +32,10 @@ before_snapshot: list = []
 
 
 def reset_report() -> None:
-    """Forget everything recorded so far."""
+    """Forget everything recorded so far, including finished compiles whose statistics were
+    not collected yet (otherwise they would surface in the next report)."""
+    for hook in before_snapshot:
+        hook()
     with _lock:
         for v in _records.values():
             v.clear()

@@ -15,7 +15,7 @@ def time_taps(c: ConvCall, x: torch.Tensor) -> list[torch.Tensor]:
     """The kT temporal taps of a Conv3d, each (N, C, T_out, H, W): tap ``i`` holds frames
     ``t*sT + i*dT`` (t < T_out) of the input zero-padded by ``pT`` frames on both sides."""
     kt, st, pt, dt = c.kernel[0], c.stride[0], c.padding[0], c.dilation[0]
-    t_out = c.out_size(0)  # the conv's own formula, so the last tap ends inside the input
+    t_out = c.out_size(0, x)  # the conv's own formula, so the last tap ends inside the input
     if pt:
         x = torch.constant_pad_nd(x, [0, 0, 0, 0, pt, pt])
     return [x[:, :, i * dt:i * dt + (t_out - 1) * st + 1:st] for i in range(kt)]

@@ -40,7 +40,7 @@ class PatchifyMM(Rule):
     def emit(self, c, x, weight, bias):
         nd = c.ndim
         n, ch = x.shape[0], x.shape[1]
-        outs = [c.out_size(d) for d in range(nd)]  # == size // kernel, the conv's own formula
+        outs = [c.out_size(d, x) for d in range(nd)]  # == size // kernel, the conv's own formula
         # Drop each dim's trailing remainder (a view), then split it into (out, kernel).
         # Slices + reshape rather than unfold: Inductor (torch 2.13) mis-compiles the backward
         # of unfold for size-1 and single-window cases.

@@ -53,7 +53,7 @@ def _static_value(relation, shape_env) -> Optional[bool]:
     return bool(res)
 
 
-def _hint_value(relation, shape_env) -> bool:
+def hint_holds(relation, shape_env) -> bool:
     rel = sympy.sympify(relation)
     hints = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
     subs = {s: hints[s] for s in rel.free_symbols if s in hints}
@@ -76,7 +76,7 @@ def check(rule: Rule, call: ConvCall, shape_env=None, allow_guards: bool = True)
         elif value is False:
             verdict.rejected = f"{cond.text} is false"
             return verdict
-        elif not _hint_value(cond.relation, shape_env):
+        elif not hint_holds(cond.relation, shape_env):
             verdict.rejected = f"{cond.text} is false for the current sizes and not provable"
             return verdict
         elif not allow_guards:

@@ -58,10 +58,13 @@ class ConvCall:
         """Spatial input size of dim ``d`` (0-based among spatial dims)."""
         return sym(self.x.shape[2 + d])
 
-    def out_size(self, d: int):
-        """Output size of spatial dim ``d`` by the convolution formula (int or SymInt)."""
+    def out_size(self, d: int, x: Optional[torch.Tensor] = None):
+        """Output size of spatial dim ``d`` by the convolution formula (int or SymInt).
+        An emission passes the tensor it computes with, so that under dynamic shapes the size
+        is derived from that tensor (the tracer must see where every SymInt comes from)."""
         k, s, p, dl = self.kernel[d], self.stride[d], self.padding[d], self.dilation[d]
-        return (self.x.shape[2 + d] + 2 * p - dl * (k - 1) - 1) // s + 1
+        size = (self.x if x is None else x).shape[2 + d]
+        return (size + 2 * p - dl * (k - 1) - 1) // s + 1
 
     def describe(self) -> dict:
         def shape(t):
