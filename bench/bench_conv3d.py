@@ -95,7 +95,7 @@ def bench_shape(name, dtype_name, rounds):
     with tempfile.TemporaryDirectory() as cache:  # a cold decision cache: it really measures
         measure.set_cache_dir(cache)
         measure.clear_memory()
-        prev = measure.set_timer(timer)
+        prev = measure.set_timer(timer, compiles=True)
         fns["measure"] = compiled(conv, "convlower", select="measure")
         convlower.reset_report()
         out, compile_s["measure"] = first_call(fns["measure"], x)

@@ -97,6 +97,63 @@ def test_measure_timer_runs_real_benchmarks(cache):
     assert [r[0] for r in ran] == [n for n, _ in one_round] * measure.ROUNDS  # phase is in the key
 
 
+def test_measured_candidates_are_inductor_compiled_graphs_of_the_same_value(cache):
+    """What is timed is each candidate compiled by Inductor (as it will run in the model), all
+    compiled before the first timing; each computes the original's value, fwd and bwd."""
+    outs, compiled_at_first_timing = {}, []
+
+    def timer(label, fn, budget_s):
+        if not outs:
+            compiled_at_first_timing.extend(f.compiled() for f in fns_seen)
+        outs[label] = fn()
+        return {"aten": 1.0}.get(label, 2.0)
+
+    fns_seen = []
+    real_benchmarks = measure._benchmarks
+
+    def spy(*args, **kwargs):
+        fns = real_benchmarks(*args, **kwargs)
+        fns_seen.extend(fns.values())
+        return fns
+
+    measure.set_timer(timer, compiles=True)
+    call = ConvCall.from_args([torch.randn(2, 4, 4, 6, 6), torch.randn(8, 4, 2, 2, 2),
+                               torch.randn(8), (2, 2, 2), (0, 0, 0), (1, 1, 1), False, (0, 0, 0), 1])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(measure, "_benchmarks", spy)
+        for phase, mask in (("forward", None), ("backward", [True, True, True])):
+            outs.clear()
+            compiled_at_first_timing.clear()
+            fns_seen.clear()
+            measure.choose_by_measurement(call, CANDIDATES, phase=phase, output_mask=mask)
+            assert compiled_at_first_timing == [True] * (1 + len(CANDIDATES))
+            assert set(outs) == {"aten", *(r.name for r in CANDIDATES)}
+            for name, out in outs.items():
+                torch.testing.assert_close(out, outs["aten"], rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_a_rule_must_win_every_round(cache):
+    rounds = iter(range(1000))
+
+    def timer(label, fn, budget_s):  # the rule wins clearly, except in the last round
+        i = next(rounds) // 2
+        if label == "aten":
+            return 1.0
+        return 0.5 if i < measure.ROUNDS - 1 else 1.0
+
+    measure.set_timer(timer)
+    rule, why, timings = measure.choose_by_measurement(conv_call(), [RULES["time_fold_conv2d"]])
+    assert rule is None and "every round" in why and timings["time_fold_conv2d"] == 0.5
+
+
+def test_compile_budget_bounds_measuring(cache, monkeypatch):
+    monkeypatch.setattr(measure, "COMPILE_BUDGET_S", 0.0)
+    measure.set_timer(stub({"aten": 1.0}, default=0.1), compiles=True)
+    rule, why, timings = measure.choose_by_measurement(conv_call(), CANDIDATES)
+    assert rule is None and set(timings) == {"aten"}
+    assert "time_fold_conv2d not measured: the compile budget" in why
+
+
 def test_failed_measurement_keeps_original(cache):
     def timer(label, fn, budget_s):
         raise RuntimeError("out of memory")

@@ -43,9 +43,11 @@ log = logging.getLogger("convlower")
 aten = torch.ops.aten
 
 MARGIN = 0.05  # a rule must be at least 5% faster than the original convolution
-BUDGET_S = float(os.environ.get("CONVLOWER_MEASURE_BUDGET_S", "3.0"))  # per convolution
+BUDGET_S = float(os.environ.get("CONVLOWER_MEASURE_BUDGET_S", "3.0"))  # timing, per convolution
+# compiling the candidates, per convolution and phase: past it, uncompiled rules are not measured
+COMPILE_BUDGET_S = float(os.environ.get("CONVLOWER_MEASURE_COMPILE_BUDGET_S", "60"))
 REPEATS = 5  # timed samples per candidate and round (after one warm-up), fewer past the budget
-ROUNDS = 2  # candidates are timed in interleaved rounds, so a burst of load hits all of them
+ROUNDS = 3  # candidates are timed in interleaved rounds, so a burst of load hits all of them
 MIN_SAMPLE_S = 1e-3  # a sample repeats a short op until it lasts about this long
 CACHE_FILE = "decisions.json"
 _FORMAT = 1
@@ -58,6 +60,9 @@ def default_timer(label: str, fn: Callable[[], object], budget_s: float) -> floa
     """Seconds per call: best of up to REPEATS samples after one warm-up, within ``budget_s``.
     A sample runs a short op several times (about MIN_SAMPLE_S) so timer resolution and
     scheduling jitter do not dominate."""
+    prepare = getattr(fn, "prepare", None)
+    if prepare is not None:
+        prepare()  # compile, untimed
     start = time.perf_counter()
     fn()  # warm-up (allocations, library plans)
     warm = time.perf_counter() - start
@@ -80,10 +85,18 @@ _memory: dict[tuple[str, str], dict] = {}
 _lock = threading.Lock()
 
 
-def set_timer(timer: Optional[Timer]) -> Timer:
-    """Use ``timer`` for measurements (None: the default); return the previous one."""
-    global _timer
+_compile_first = True  # compile every candidate before timing any (the default timer)
+
+
+def set_timer(timer: Optional[Timer], *, compiles: bool = False) -> Timer:
+    """Use ``timer`` for measurements (None: the default); return the previous one.
+
+    The default timer compiles every candidate before timing any, so compiling never overlaps
+    a measurement.  A stub timer pays for no compile unless ``compiles`` (a candidate is then
+    compiled on its first call)."""
+    global _timer, _compile_first
     prev, _timer = _timer, timer or default_timer
+    _compile_first = timer is None or compiles
     return prev
 
 
@@ -224,8 +237,53 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def _benchmarks(call: ConvCall, candidates, phase, output_mask, compute_dtype):
-    """{label: fn} for the original and every candidate, on real tensors."""
+def _compiled(fn, args: Sequence[torch.Tensor], prologue: Sequence[bool],
+              compile_log: dict, label: str) -> Callable[[], object]:
+    """``fn(*args)`` as Inductor will run it inside the model: traced to aten and compiled by
+    Inductor (the current config, convlower's own pass off).  ``run.prepare()`` compiles (the
+    default timer calls it untimed; a stub timer never pays for it); the seconds it took go
+    into ``compile_log[label]``.
+
+    Inputs flagged in ``prologue`` go through a negation first: inside a model a conv's input
+    is produced by another op (a norm, an activation), so Inductor picks its layout for free
+    (channels-last for mkldnn convs) and fuses the copies a rule needs into that producer.
+    Timing a bare graph input would charge the original an extra layout copy."""
+    compiled = None
+
+    def graph(*inputs):
+        inputs = [t.neg() if p else t for t, p in zip(inputs, prologue)]
+        out = fn(*inputs)
+        return tuple(o for o in (out if isinstance(out, tuple) else (out,)) if o is not None)
+
+    def prepare():
+        nonlocal compiled
+        if compiled is None:
+            from torch._inductor import config as inductor_config
+            from torch._inductor.compile_fx import compile_fx_inner
+            from torch._inductor.pattern_matcher import fwd_only
+
+            start = time.perf_counter()
+            try:
+                gm = fwd_only(graph, list(args))
+                # A fresh compile: no outer tracing context, and no convlower pass inside it.
+                with torch._guards.tracing(None), \
+                        inductor_config.patch(post_grad_custom_pre_pass=None):
+                    compiled = compile_fx_inner(gm, list(args))
+            finally:
+                compile_log[label] = time.perf_counter() - start
+
+    def run():
+        prepare()
+        out = compiled(list(args))  # boxed call: it consumes the list
+        return out[0] if len(out) == 1 else tuple(out)
+
+    run.prepare = prepare
+    run.compiled = lambda: compiled is not None
+    return run
+
+
+def _benchmarks(call: ConvCall, candidates, phase, output_mask, compute_dtype, compile_log):
+    """{label: fn} for the original and every candidate, on real tensors, compiled lazily."""
     from ..decompositions import convolution as decomp
 
     device = call.x.device
@@ -239,28 +297,36 @@ def _benchmarks(call: ConvCall, candidates, phase, output_mask, compute_dtype):
     dtype = torch.bfloat16 if compute_dtype == "bfloat16" else None
     sync = _sync(device)
 
-    def timed(fn):
-        def run():
-            out = fn()
+    def timed(fn, args, prologue, label):
+        run = _compiled(fn, args, prologue, compile_log, label)
+
+        def step():
+            out = run()
             sync()
             return out
-        return run
+        step.prepare, step.compiled = run.prepare, run.compiled
+        return step
 
     fns = {}
     if phase == "forward":
-        fns["aten"] = timed(lambda: aten.convolution(x, w, b, *params))
+        args = (x, w, b) if b is not None else (x, w)
+        prologue = (True, False, False)
+        fns["aten"] = timed(lambda x, w, b=None: aten.convolution(x, w, b, *params), args,
+                            prologue, "aten")
         for r in candidates:
-            f = decomp.convolution(r, real, dtype)
-            fns[r.name] = timed(lambda f=f: f(x, w, b) if b is not None else f(x, w))
+            fns[r.name] = timed(decomp.convolution(r, real, dtype), args, prologue, r.name)
     else:
         mask = [bool(m) for m in (output_mask or (True, True, call.has_bias))]
         grad = torch.randn(aten.convolution(x, w, b, *params).shape, generator=gen,
                            device=device).to(x.dtype)
         bias_sizes = [w.shape[0]] if call.has_bias else None
-        fns["aten"] = timed(lambda: aten.convolution_backward(grad, x, w, bias_sizes, *params, mask))
+        # x is a saved activation (its layout is fixed); grad comes from the op after the conv
+        args, prologue = (grad, x, w), (True, False, False)
+        fns["aten"] = timed(lambda g, x, w: aten.convolution_backward(
+            g, x, w, bias_sizes, *params, mask), args, prologue, "aten")
         for r in candidates:
-            f = decomp.convolution_backward(r, real, mask, dtype)
-            fns[r.name] = timed(lambda f=f: f(grad, x, w))
+            fns[r.name] = timed(decomp.convolution_backward(r, real, mask, dtype), args, prologue,
+                                r.name)
     return fns
 
 
@@ -268,6 +334,24 @@ def _fake_mode_off():
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+def _compile_all(fns: dict, errors: list) -> None:
+    """Compile the original and then each rule, within COMPILE_BUDGET_S; drop what fails."""
+    start = time.perf_counter()
+    for name, fn in list(fns.items()):
+        if name != "aten" and time.perf_counter() - start > COMPILE_BUDGET_S:
+            del fns[name]
+            errors.append(f"{name} not measured: the compile budget ({COMPILE_BUDGET_S:.0f} s) "
+                          f"is spent")
+            continue
+        try:
+            fn.prepare()
+        except Exception as e:
+            if name == "aten":
+                raise
+            del fns[name]  # a rule Inductor cannot compile here is not chosen
+            errors.append(f"{name} failed to compile: {type(e).__name__}: {e}")
 
 
 # -- the decision --------------------------------------------------------------------------------
@@ -283,20 +367,31 @@ def choose_by_measurement(call: ConvCall, candidates: Sequence[Rule], *, phase: 
         rule = by_name.get(hit.get("rule"))
         return rule, f"{hit.get('why', 'measured')} (cached)", dict(hit.get("timings", {}))
 
-    timings: dict[str, float] = {}
+    timings: dict[str, float] = {}  # best per label
+    rounds: dict[str, list[float]] = {}  # per label, one time per round
+    compile_log: dict[str, float] = {}
     errors = []
     try:
         with _fake_mode_off(), torch.no_grad():
-            fns = _benchmarks(call, candidates, phase, output_mask, compute_dtype)
+            fns = _benchmarks(call, candidates, phase, output_mask, compute_dtype, compile_log)
+            if _compile_first:
+                _compile_all(fns, errors)
             share = BUDGET_S / (len(fns) * ROUNDS)
             start = time.perf_counter()
             for i in range(ROUNDS):  # best per label over interleaved rounds
-                if i and time.perf_counter() - start > BUDGET_S:
+                if i and time.perf_counter() - start - sum(compile_log.values()) > BUDGET_S:
                     break  # long ops: one round is all the budget allows
                 for name, fn in list(fns.items()):
+                    if name != "aten" and not fn.compiled() \
+                            and sum(compile_log.values()) > COMPILE_BUDGET_S:
+                        del fns[name]
+                        errors.append(f"{name} not measured: the compile budget "
+                                      f"({COMPILE_BUDGET_S:.0f} s) is spent")
+                        continue
                     try:
                         t = float(_timer(name, fn, share))
                         timings[name] = min(t, timings.get(name, t))
+                        rounds.setdefault(name, []).append(t)
                     except Exception as e:
                         if name == "aten":
                             raise
@@ -308,14 +403,22 @@ def choose_by_measurement(call: ConvCall, candidates: Sequence[Rule], *, phase: 
 
     base = timings["aten"]
     best = min((n for n in timings if n != "aten"), key=timings.get, default=None)
-    if best is not None and timings[best] <= (1.0 - MARGIN) * base:
+    # A clear win: faster by the margin at best, and in every round against that round's
+    # original (a burst of load during one candidate's turn cannot make it win).
+    wins = best is not None and timings[best] <= (1.0 - MARGIN) * base and all(
+        t <= (1.0 - MARGIN) * a for t, a in zip(rounds[best], rounds["aten"]))
+    if wins:
         rule, why = by_name[best], (f"measured: {best} takes {timings[best] / base:.2f}x "
                                     f"the original's time")
     else:
         shown = f"best rule {best} takes {timings[best] / base:.2f}x" if best else "no rule ran"
         rule, why = None, f"measured: kept the original ({shown}; a rule must be >= " \
-                          f"{MARGIN:.0%} faster)"
+                          f"{MARGIN:.0%} faster in every round)"
+    compile_s = sum(compile_log.values())
+    if compile_s:
+        why += f"; compiling the candidates took {compile_s:.1f} s"
     if errors:
         why += "; " + "; ".join(errors)
-    _store(key, {"rule": rule.name if rule else None, "why": why, "timings": timings})
+    _store(key, {"rule": rule.name if rule else None, "why": why, "timings": timings,
+                 "compile_s": compile_s})
     return rule, why, timings
