@@ -5,14 +5,18 @@
 
 Every variant of one shape is timed in the same rounds (interleaved), and the table prints
 ratios against Inductor (``x`` > 1 means faster than Inductor), so machine load cancels out as
-far as it can.  Also printed per shape: the compile-time cost of measuring (seconds spent in
-the timer, with a cold decision cache), and for fp32 the error of the opt-in ``compute_dtype="bfloat16"`` against fp32.
+far as it can.  Each sample repeats a call for about 50 ms; rounds are medians.  Also printed
+per shape: the compile-time cost of measuring (seconds spent choosing, i.e. compiling and timing
+the candidates, with a cold decision cache), and for fp32 the error of the opt-in
+``compute_dtype="bfloat16"`` against fp32.
 Goals on a CPU: convlower(measure) / Inductor time <= 1.03 everywhere, >= 1.2x faster than
 Inductor on the Mochi downsample, and a whole small Wan VAE decode no slower than Inductor.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import statistics
 import tempfile
 import time
@@ -52,15 +56,49 @@ def first_call(f, x):
     return out, time.perf_counter() - t
 
 
-def time_side_by_side(fns: dict, x, rounds: int) -> dict:
+def time_side_by_side(fns: dict, x, rounds: int, min_sample_s: float = 0.05) -> dict:
+    """Median seconds per call over ``rounds`` interleaved rounds; one sample repeats a short
+    call until it lasts about ``min_sample_s`` (single short calls are mostly jitter)."""
     times = {k: [] for k in fns}
     with torch.no_grad():
+        reps = {}
+        for k, f in fns.items():  # warm-up, and how many calls make one sample
+            f(x)
+            t = time.perf_counter()
+            f(x)
+            reps[k] = max(1, int(min_sample_s / max(time.perf_counter() - t, 1e-6)))
         for _ in range(rounds):
             for k, f in fns.items():
                 t = time.perf_counter()
-                f(x)
-                times[k].append(time.perf_counter() - t)
+                for _ in range(reps[k]):
+                    f(x)
+                times[k].append((time.perf_counter() - t) / reps[k])
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+@contextlib.contextmanager
+def cold_measuring():
+    """A cold decision cache (so "measure" really measures) and a clock on measuring: yields
+    a one-item list that ends up holding the seconds spent choosing (compiling + timing)."""
+    spent = [0.0]
+    choose = measure.choose_by_measurement
+
+    def clocked(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return choose(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    with tempfile.TemporaryDirectory() as cache:
+        measure.set_cache_dir(cache)
+        measure.clear_memory()
+        measure.choose_by_measurement = clocked
+        try:
+            yield spent
+        finally:
+            measure.choose_by_measurement = choose
+            measure.set_cache_dir(None)
 
 
 def rel_err(a, b):
@@ -83,25 +121,11 @@ def bench_shape(name, dtype_name, rounds):
     for r in rules:
         fns[r] = compiled(conv, "convlower", rules=[r], select="always")
         _, compile_s[r] = first_call(fns[r], x)
-    spent = [0.0]
-
-    def timer(label, fn, budget_s):  # the default timer, plus a clock on it
-        t0 = time.perf_counter()
-        try:
-            return measure.default_timer(label, fn, budget_s)
-        finally:
-            spent[0] += time.perf_counter() - t0
-
-    with tempfile.TemporaryDirectory() as cache:  # a cold decision cache: it really measures
-        measure.set_cache_dir(cache)
-        measure.clear_memory()
-        prev = measure.set_timer(timer, compiles=True)
+    with cold_measuring() as spent:
         fns["measure"] = compiled(conv, "convlower", select="measure")
         convlower.reset_report()
         out, compile_s["measure"] = first_call(fns["measure"], x)
         chose = [e["rule"] or "original" for e in convlower.report().convolutions]
-        measure.set_timer(prev)
-        measure.set_cache_dir(None)
     errs = {"measure": rel_err(out, ref)}
     if dtype == torch.float32:  # opt-in bf16 compute: time and error against fp32
         fns["bf16c"] = compiled(conv, "convlower", select="always", compute_dtype="bfloat16")
@@ -113,7 +137,7 @@ def bench_shape(name, dtype_name, rounds):
     print(f"{name:9s} {dtype_name}  inductor {base * 1e3:8.1f} ms | {cols} | measure chose "
           f"{','.join(chose)}; measure/inductor time {t['measure'] / base:.3f}; compile "
           f"inductor {compile_s['inductor']:.1f} s, measure {compile_s['measure']:.1f} s of "
-          f"which measuring {spent[0]:.1f} s | "
+          f"which measuring (compiling + timing candidates) {spent[0]:.1f} s | "
           + " ".join(f"err[{k}]={v:.1e}" for k, v in errs.items()), flush=True)
 
 
@@ -127,22 +151,28 @@ def bench_wan_decode(rounds):
     z = torch.randn(1, 4, 3, 32, 32)
     decode = lambda z: vae.decode(z).sample
     fns, compile_s = {"eager": decode}, {}
-    for name, backend, opts in [("inductor", "inductor", {}), ("measure", "convlower", {"select": "measure"})]:
-        fns[name] = compiled(decode, backend, **opts)
-        _, compile_s[name] = first_call(fns[name], z)
+    fns["inductor"] = compiled(decode, "inductor")
+    _, compile_s["inductor"] = first_call(fns["inductor"], z)
+    with cold_measuring() as spent:
+        fns["measure"] = compiled(decode, "convlower", select="measure")
+        convlower.reset_report()
+        _, compile_s["measure"] = first_call(fns["measure"], z)
+        chose = collections.Counter(e["rule"] or "original" for e in convlower.report().convolutions
+                                    if e["phase"] == "forward")
     t = time_side_by_side(fns, z, rounds)
     print(f"wan-vae decode {tuple(z.shape)}: inductor {t['inductor'] * 1e3:.0f} ms, eager "
           f"{t['inductor'] / t['eager']:.2f}x, convlower(measure) {t['inductor'] / t['measure']:.2f}x"
           f" of Inductor speed (time ratio {t['measure'] / t['inductor']:.3f}); compile "
-          f"inductor {compile_s['inductor']:.0f} s, convlower(measure) {compile_s['measure']:.0f} s",
-          flush=True)
+          f"inductor {compile_s['inductor']:.0f} s, convlower(measure) {compile_s['measure']:.0f} s "
+          f"of which measuring {spent[0]:.0f} s; convs: "
+          + ", ".join(f"{k} x{v}" for k, v in sorted(chose.items())), flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES))
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--no-vae", action="store_true")
     a = ap.parse_args()
     torch._inductor.config.force_disable_caches = True  # honest cold compile times

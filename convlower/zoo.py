@@ -178,7 +178,7 @@ ZOO: dict[str, Entry] = {e.name: e for e in [
           _wan_vae, "diffusers"),
     Entry("mochi-downsample",
           "Mochi VAE encoder downsample: Conv3d(128 -> 256, kernel = stride = (2,2,2)); "
-          "expected: patchify_mm.",
+          "eligible for patchify_mm and all three Conv3d rules; measurement picks one.",
           {"tiny": dict(in_channels=8, out_channels=16, input=[1, 8, 4, 8, 8]),
            "small": dict(in_channels=128, out_channels=256, input=[1, 128, 8, 32, 32])},
           _mochi_downsample),
@@ -194,7 +194,8 @@ ZOO: dict[str, Entry] = {e.name: e for e in [
           _oobleck, "diffusers"),
     Entry("sdxl-unet-tiny",
           "diffusers UNet2DConditionModel with SDXL block types and text_time conditioning, "
-          "scaled down; a control: its 3x3 convs are not lowered.",
+          "scaled down; a control: its 3x3 convs are eligible for no rule, only its 1x1 "
+          "shortcut convs are (patchify_mm), lowered only where measured faster.",
           {"tiny": dict(_SDXL_COMMON, block_out_channels=(8, 16), norm_num_groups=4,
                         attention_head_dim=4, transformer_layers_per_block=(1, 1),
                         cross_attention_dim=8, addition_time_embed_dim=4, text_embeds_dim=8,
@@ -206,7 +207,8 @@ ZOO: dict[str, Entry] = {e.name: e for e in [
           _sdxl_unet, "diffusers"),
     Entry("wan-dit-patch",
           "Wan2.1 DiT patch embedding (WanTransformer3DModel.patch_embedding + tokens): "
-          "Conv3d(16 -> 1536, kernel = stride = (1,2,2)); expected: patchify_mm.",
+          "Conv3d(16 -> 1536, kernel = stride = (1,2,2)); eligible for patchify_mm and the "
+          "Conv3d rules; measurement decides.",
           {"tiny": dict(in_channels=4, dim=32, patch_size=[1, 2, 2], latent=[1, 4, 2, 8, 8]),
            "small": dict(in_channels=16, dim=1536, patch_size=[1, 2, 2], latent=[1, 16, 5, 32, 32])},
           _wan_dit_patch),

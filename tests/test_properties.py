@@ -270,6 +270,8 @@ def compiled_cases(draw):
     pad = draw(st.sampled_from(["ints", "ints", "same", "valid"]))
     if pad == "same":
         case = dataclasses.replace(case, stride=(1,) * case.nd)
+    if pad == "valid":  # no padding: the input must hold the dilated kernel
+        assume(all(s >= d * (k - 1) + 1 for s, k, d in zip(case.size, case.kernel, case.dilation)))
     rule = draw(st.sampled_from([None] + list(RULES)))
     return case, pad, rule
 

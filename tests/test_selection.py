@@ -121,6 +121,7 @@ def test_measured_candidates_are_inductor_compiled_graphs_of_the_same_value(cach
                                torch.randn(8), (2, 2, 2), (0, 0, 0), (1, 1, 1), False, (0, 0, 0), 1])
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(measure, "_benchmarks", spy)
+        mp.setattr(measure, "MIN_CONV_S", 0.0)  # measure this tiny conv all the same
         for phase, mask in (("forward", None), ("backward", [True, True, True])):
             outs.clear()
             compiled_at_first_timing.clear()
@@ -130,6 +131,20 @@ def test_measured_candidates_are_inductor_compiled_graphs_of_the_same_value(cach
             assert set(outs) == {"aten", *(r.name for r in CANDIDATES)}
             for name, out in outs.items():
                 torch.testing.assert_close(out, outs["aten"], rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_a_tiny_conv_keeps_the_original_without_compiling(cache, monkeypatch):
+    """Compiling candidates costs seconds: a conv faster than MIN_CONV_S is not worth it."""
+    def timer(label, fn, budget_s):
+        raise AssertionError("timed a candidate")
+
+    measure.set_timer(timer, compiles=True)
+    monkeypatch.setattr(measure, "_compile_all", lambda fns, errors: pytest.fail("compiled"))
+    rule, why, timings = measure.choose_by_measurement(conv_call(), CANDIDATES)
+    assert rule is None and "worth compiling candidates for" in why
+    assert 0 < timings["aten_eager"] < measure.MIN_CONV_S
+    monkeypatch.setattr(measure, "MIN_CONV_S", 0.0)  # a cached decision is not re-measured
+    assert measure.choose_by_measurement(conv_call(), CANDIDATES)[1].endswith("(cached)")
 
 
 def test_a_rule_must_win_every_round(cache):
@@ -148,6 +163,7 @@ def test_a_rule_must_win_every_round(cache):
 
 def test_compile_budget_bounds_measuring(cache, monkeypatch):
     monkeypatch.setattr(measure, "COMPILE_BUDGET_S", 0.0)
+    monkeypatch.setattr(measure, "MIN_CONV_S", 0.0)  # measure this tiny conv all the same
     measure.set_timer(stub({"aten": 1.0}, default=0.1), compiles=True)
     rule, why, timings = measure.choose_by_measurement(conv_call(), CANDIDATES)
     assert rule is None and set(timings) == {"aten"}
@@ -170,8 +186,8 @@ def test_decision_cache_on_disk_reused_by_second_process(cache):
     path = cache / measure.CACHE_FILE
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     data = json.loads(path.read_text())
-    (key, decision), = data["decisions"].items()
-    key = json.loads(key)
+    (raw_key, decision), = data["decisions"].items()
+    key = json.loads(raw_key)
     assert decision["rule"] == "time_fold_conv2d" and decision["timings"]["aten"] == 1.0
     for field in ("device", "torch", "dtype", "x", "x_stride", "w", "stride", "padding", "groups"):
         assert field in key
@@ -187,12 +203,14 @@ def test_decision_cache_on_disk_reused_by_second_process(cache):
         measure.set_timer(timer)
         torch.manual_seed(1)
         rule, why, timings = measure.choose_by_measurement(conv_call(), CANDIDATES)
+        assert rule is not None, (why, measure.decision_key(conv_call(), CANDIDATES, "forward",
+                                                            None, None))
         print(rule.name, "|", why, "|", timings["aten"])
     """)
     env = dict(os.environ, CONVLOWER_CACHE_DIR=str(cache))
     out = subprocess.run([sys.executable, "-c", script, os.path.join(REPO, "tests")], env=env,
                          capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 0, (out.stderr, raw_key)
     name, why, aten = out.stdout.strip().split(" | ")
     assert name == "time_fold_conv2d" and why.endswith("(cached)") and float(aten) == 1.0
 
@@ -274,3 +292,32 @@ def test_compiled_measure_records_timings_and_keeps_slow_rules_out(cache):
                                     "select": "measure", "compute_dtype": "bfloat16"}, tol=5e-2)
     assert entry["rule"] == "time_unfold_conv2d" and entry["timings"]["time_unfold_conv2d"] == 0.5
     assert "stride=(2, 1, 1)" not in code
+
+
+def test_pass_tells_measure_whether_input_is_produced_and_output_consumed(cache):
+    """The measurement reproduces the conv's context: a graph-input activation keeps its
+    layout, a produced one may take Inductor's; a returned output is materialised."""
+    seen = []
+    real_benchmarks = measure._benchmarks
+
+    def spy(call, candidates, phase, mask, cdt, log, produced=True, consumed=True):
+        seen.append((phase, produced, consumed))
+        return real_benchmarks(call, candidates, phase, mask, cdt, log, produced, consumed)
+
+    conv = torch.nn.Conv3d(3, 4, 2, 2)
+    x = torch.randn(1, 3, 4, 6, 6)
+    measure.set_timer(stub({"aten": 1.0}, default=3.0))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(measure, "_benchmarks", spy)
+        for fn, want in ((conv, (False, False)), (lambda v: conv(v.relu()).relu(), (True, True))):
+            torch._dynamo.reset()
+            convlower.reset_report()
+            seen.clear()
+            with torch.no_grad():
+                torch.compile(fn, backend="convlower")(x)
+            (entry,) = convlower.report().convolutions
+            assert (entry["input_produced"], entry["output_consumed"]) == want
+            assert seen == [("forward", *want)]
+    keys = {measure.decision_key(conv_call(), CANDIDATES, "forward", None, None, p, c)
+            for p in (True, False) for c in (True, False)}
+    assert len(keys) == 4

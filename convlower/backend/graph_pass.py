@@ -249,7 +249,9 @@ class ConvLowerPass(CustomGraphPass):
         rule, why, timings = choose(call, eligible, self.options.select, phase=entry["phase"],
                                     output_mask=entry.get("output_mask"),
                                     compute_dtype=self.options.compute_dtype,
-                                    platform=self.options.platform)
+                                    platform=self.options.platform,
+                                    produced=entry["input_produced"],
+                                    consumed=entry["output_consumed"])
         entry["timings"] = timings
         if rule is None:
             rejected = "; ".join(f"{v.rule}: {v.rejected}" for v in verdicts if not v.eligible)
@@ -273,6 +275,11 @@ class ConvLowerPass(CustomGraphPass):
                  "verdicts": [], "guards": [], "timings": {}}
         if backward:
             entry["output_mask"] = [bool(m) for m in node.args[10]]
+        # Is the activation (forward) / gradient (backward) made by an op of this graph, or a
+        # graph input with a fixed layout?  Measuring reproduces that (see measure._compiled).
+        first = node.args[0].args[0] if fold else node.args[0]
+        entry["input_produced"] = not (isinstance(first, torch.fx.Node) and first.op == "placeholder")
+        entry["output_consumed"] = not backward and all(u.op != "output" for u in node.users)
         if fold:
             entry["pad_folded"] = list(node.args[0].args[1])
         n_guards = len(shape_env.guards) if shape_env is not None else 0

@@ -2,14 +2,17 @@
 
 Like Inductor's ``pad_mm``, this is a bounded compile-time micro-benchmark.  For one
 convolution call it builds real random tensors of the call's concrete sizes (size hints under
-dynamic shapes), on the call's device, dtype and memory layout (strides), and times eagerly:
+dynamic shapes), on the call's device, dtype and memory layout (strides), and times each
+candidate **as Inductor compiles it** (eager timings mislead: Inductor fuses a rule's copies
+and picks channels-last for the original conv, so eager ratios were off by up to 4x):
 
 * forward: ``aten.convolution`` against each rule's forward decomposition;
 * backward: ``aten.convolution_backward`` against each rule's backward decomposition (autograd
   of the rule's emission), with the node's output mask.
 
-A rule replaces the convolution only when it is faster by at least ``MARGIN`` (5%): within
-noise the original stays, so measuring never makes a model slower beyond noise.
+Every candidate is compiled before any is timed (``COMPILE_BUDGET_S`` bounds it); then all are
+timed in ``ROUNDS`` interleaved rounds.  A rule replaces the convolution only when it is faster
+by at least ``MARGIN`` (5%) at best and in every round: within noise the original stays.
 
 Decisions are cached in memory and on disk (``decisions.json``), keyed by device name, torch
 and convlower versions, phase, dtype, compute dtype, sizes, strides (layout), parameters and
@@ -28,6 +31,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import threading
 import time
 import warnings
@@ -44,6 +48,8 @@ aten = torch.ops.aten
 
 MARGIN = 0.05  # a rule must be at least 5% faster than the original convolution
 BUDGET_S = float(os.environ.get("CONVLOWER_MEASURE_BUDGET_S", "3.0"))  # timing, per convolution
+# a conv faster than this (eagerly) keeps the original without compiling candidates
+MIN_CONV_S = float(os.environ.get("CONVLOWER_MEASURE_MIN_US", "200")) * 1e-6
 # compiling the candidates, per convolution and phase: past it, uncompiled rules are not measured
 COMPILE_BUDGET_S = float(os.environ.get("CONVLOWER_MEASURE_COMPILE_BUDGET_S", "60"))
 REPEATS = 5  # timed samples per candidate and round (after one warm-up), fewer past the budget
@@ -51,13 +57,14 @@ ROUNDS = 3  # candidates are timed in interleaved rounds, so a burst of load hit
 MIN_SAMPLE_S = 1e-3  # a sample repeats a short op until it lasts about this long
 CACHE_FILE = "decisions.json"
 _FORMAT = 1
+METHOD = "inductor-compiled/median/every-round"  # how timings are taken: part of the key
 
 # A timer: (label, fn, budget_s) -> seconds per call of fn.  label is "aten" or a rule name.
 Timer = Callable[[str, Callable[[], object], float], float]
 
 
 def default_timer(label: str, fn: Callable[[], object], budget_s: float) -> float:
-    """Seconds per call: best of up to REPEATS samples after one warm-up, within ``budget_s``.
+    """Seconds per call: median of up to REPEATS samples after one warm-up, within ``budget_s``.
     A sample runs a short op several times (about MIN_SAMPLE_S) so timer resolution and
     scheduling jitter do not dominate."""
     prepare = getattr(fn, "prepare", None)
@@ -76,7 +83,9 @@ def default_timer(label: str, fn: Callable[[], object], budget_s: float) -> floa
         for _ in range(inner):
             fn()
         times.append((time.perf_counter() - t0) / inner)
-    return min(times)
+    # The median, not the best: on a shared machine a kernel runs in a fast and a slow mode
+    # (cache, memory and CPU contention); the best sample shows a mode users rarely see.
+    return statistics.median(times)
 
 
 _timer: Timer = default_timer
@@ -96,7 +105,7 @@ def set_timer(timer: Optional[Timer], *, compiles: bool = False) -> Timer:
     compiled on its first call)."""
     global _timer, _compile_first
     prev, _timer = _timer, timer or default_timer
-    _compile_first = timer is None or compiles
+    _compile_first = timer is None or timer is default_timer or compiles
     return prev
 
 
@@ -204,11 +213,14 @@ def _device_name(device: str, threads: int) -> str:
 
 
 def decision_key(call: ConvCall, candidates: Sequence[Rule], phase: str,
-                 output_mask: Optional[Sequence[bool]], compute_dtype: Optional[str]) -> str:
+                 output_mask: Optional[Sequence[bool]], compute_dtype: Optional[str],
+                 produced: bool = True, consumed: bool = True) -> str:
     x, w = call.x, call.weight
     return json.dumps({
         "device": device_name(x.device), "torch": torch.__version__, "convlower": __version__,
-        "phase": phase, "mask": [bool(m) for m in output_mask] if output_mask else None,
+        "method": METHOD,
+        "phase": phase, "produced": produced, "consumed": consumed and phase == "forward",
+        "mask": [bool(m) for m in output_mask] if output_mask else None,
         "dtype": str(x.dtype), "compute_dtype": compute_dtype,
         "x": [_hint(s) for s in x.shape], "x_stride": [_hint(s) for s in x.stride()],
         "w": [_hint(s) for s in w.shape], "w_stride": [_hint(s) for s in w.stride()],
@@ -237,23 +249,27 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def _compiled(fn, args: Sequence[torch.Tensor], prologue: Sequence[bool],
+def _compiled(fn, args: Sequence[torch.Tensor], prologue: Sequence[bool], epilogue: bool,
               compile_log: dict, label: str) -> Callable[[], object]:
     """``fn(*args)`` as Inductor will run it inside the model: traced to aten and compiled by
     Inductor (the current config, convlower's own pass off).  ``run.prepare()`` compiles (the
     default timer calls it untimed; a stub timer never pays for it); the seconds it took go
     into ``compile_log[label]``.
 
-    Inputs flagged in ``prologue`` go through a negation first: inside a model a conv's input
-    is produced by another op (a norm, an activation), so Inductor picks its layout for free
-    (channels-last for mkldnn convs) and fuses the copies a rule needs into that producer.
-    Timing a bare graph input would charge the original an extra layout copy."""
+    Inputs flagged in ``prologue`` go through a negation first, as the conv's activation (or
+    gradient) does when an op of the graph makes it (a norm, an activation): Inductor then picks
+    its layout for free (channels-last for mkldnn convs) and fuses the copies a rule needs into
+    that producer.  A graph input instead has a fixed layout, and any copy costs a pass; the
+    pass tells which case a conv is (``produced``).  Likewise with ``epilogue`` the outputs
+    feed a negation, as a conv output read by another op does (a layout copy fuses into it);
+    without, they are graph outputs and materialise in the original's layout (``consumed``)."""
     compiled = None
 
     def graph(*inputs):
         inputs = [t.neg() if p else t for t, p in zip(inputs, prologue)]
         out = fn(*inputs)
-        return tuple(o for o in (out if isinstance(out, tuple) else (out,)) if o is not None)
+        outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
+        return tuple(o.neg() if epilogue else o for o in outs)
 
     def prepare():
         nonlocal compiled
@@ -282,7 +298,13 @@ def _compiled(fn, args: Sequence[torch.Tensor], prologue: Sequence[bool],
     return run
 
 
-def _benchmarks(call: ConvCall, candidates, phase, output_mask, compute_dtype, compile_log):
+def _meta(t):
+    return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                                      device="meta")
+
+
+def _benchmarks(call: ConvCall, candidates, phase, output_mask, compute_dtype, compile_log,
+                produced=True, consumed=True):
     """{label: fn} for the original and every candidate, on real tensors, compiled lazily."""
     from ..decompositions import convolution as decomp
 
@@ -297,8 +319,12 @@ def _benchmarks(call: ConvCall, candidates, phase, output_mask, compute_dtype, c
     dtype = torch.bfloat16 if compute_dtype == "bfloat16" else None
     sync = _sync(device)
 
+    from .graph_pass import _with_layout_of
+
     def timed(fn, args, prologue, label):
-        run = _compiled(fn, args, prologue, compile_log, label)
+        if label != "aten":  # as spliced: outputs keep the original's layout (graph_pass)
+            fn = _with_layout_of(fn, original(*map(_meta, args)))
+        run = _compiled(fn, args, prologue, consumed, compile_log, label)
 
         def step():
             out = run()
@@ -310,9 +336,9 @@ def _benchmarks(call: ConvCall, candidates, phase, output_mask, compute_dtype, c
     fns = {}
     if phase == "forward":
         args = (x, w, b) if b is not None else (x, w)
-        prologue = (True, False, False)
-        fns["aten"] = timed(lambda x, w, b=None: aten.convolution(x, w, b, *params), args,
-                            prologue, "aten")
+        prologue = (produced, False, False)
+        original = lambda x, w, b=None: aten.convolution(x, w, b, *params)
+        fns["aten"] = timed(original, args, prologue, "aten")
         for r in candidates:
             fns[r.name] = timed(decomp.convolution(r, real, dtype), args, prologue, r.name)
     else:
@@ -321,9 +347,10 @@ def _benchmarks(call: ConvCall, candidates, phase, output_mask, compute_dtype, c
                            device=device).to(x.dtype)
         bias_sizes = [w.shape[0]] if call.has_bias else None
         # x is a saved activation (its layout is fixed); grad comes from the op after the conv
-        args, prologue = (grad, x, w), (True, False, False)
-        fns["aten"] = timed(lambda g, x, w: aten.convolution_backward(
-            g, x, w, bias_sizes, *params, mask), args, prologue, "aten")
+        consumed = False  # grads mostly leave the graph (weight/bias grads always do)
+        args, prologue = (grad, x, w), (produced, False, False)
+        original = lambda g, x, w: aten.convolution_backward(g, x, w, bias_sizes, *params, mask)
+        fns["aten"] = timed(original, args, prologue, "aten")
         for r in candidates:
             fns[r.name] = timed(decomp.convolution_backward(r, real, mask, dtype), args, prologue,
                                 r.name)
@@ -334,6 +361,25 @@ def _fake_mode_off():
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+def _eager_time(call: ConvCall, phase: str, output_mask) -> float:
+    """Seconds per eager call of the original (the median of a few samples)."""
+    device = call.x.device
+    gen = torch.Generator(device=device).manual_seed(0)
+    x, w = _real(call.x, gen), _real(call.weight, gen)
+    b = torch.zeros(w.shape[0], device=device, dtype=w.dtype) if call.has_bias else None
+    params = (list(call.stride), list(call.padding), list(call.dilation), call.transposed,
+              list(call.output_padding), call.groups)
+    sync = _sync(device)
+    if phase == "forward":
+        run = lambda: aten.convolution(x, w, b, *params)
+    else:
+        mask = [bool(m) for m in (output_mask or (True, True, call.has_bias))]
+        grad = torch.ones_like(aten.convolution(x, w, b, *params))
+        sizes = [w.shape[0]] if call.has_bias else None
+        run = lambda: aten.convolution_backward(grad, x, w, sizes, *params, mask)
+    return default_timer("aten", lambda: (run(), sync()), BUDGET_S / 10)
 
 
 def _compile_all(fns: dict, errors: list) -> None:
@@ -357,28 +403,38 @@ def _compile_all(fns: dict, errors: list) -> None:
 # -- the decision --------------------------------------------------------------------------------
 def choose_by_measurement(call: ConvCall, candidates: Sequence[Rule], *, phase: str = "forward",
                           output_mask: Optional[Sequence[bool]] = None,
-                          compute_dtype: Optional[str] = None
-                          ) -> tuple[Optional[Rule], str, dict]:
+                          compute_dtype: Optional[str] = None, produced: bool = True,
+                          consumed: bool = True) -> tuple[Optional[Rule], str, dict]:
     """Return (the fastest rule or None for the original, why, {label: seconds})."""
     by_name = {r.name: r for r in candidates}
-    key = decision_key(call, candidates, phase, output_mask, compute_dtype)
+    key = decision_key(call, candidates, phase, output_mask, compute_dtype, produced, consumed)
     hit = _lookup(key)
     if hit is not None and (hit.get("rule") is None or hit.get("rule") in by_name):
         rule = by_name.get(hit.get("rule"))
         return rule, f"{hit.get('why', 'measured')} (cached)", dict(hit.get("timings", {}))
 
-    timings: dict[str, float] = {}  # best per label
+    timings: dict[str, float] = {}  # median over rounds per label
     rounds: dict[str, list[float]] = {}  # per label, one time per round
     compile_log: dict[str, float] = {}
     errors = []
     try:
         with _fake_mode_off(), torch.no_grad():
-            fns = _benchmarks(call, candidates, phase, output_mask, compute_dtype, compile_log)
+            fns = _benchmarks(call, candidates, phase, output_mask, compute_dtype, compile_log,
+                              produced, consumed)
             if _compile_first:
+                # Compiling the candidates costs seconds; a conv that takes microseconds
+                # cannot win that back (and in sum is not where a model's time goes).
+                quick = _eager_time(call, phase, output_mask)
+                if quick < MIN_CONV_S:
+                    why = (f"measured: kept the original (it takes {quick * 1e6:.0f} us eagerly, "
+                           f"under the {MIN_CONV_S * 1e6:.0f} us worth compiling candidates for)")
+                    timings = {"aten_eager": quick}
+                    _store(key, {"rule": None, "why": why, "timings": timings, "compile_s": 0.0})
+                    return None, why, timings
                 _compile_all(fns, errors)
             share = BUDGET_S / (len(fns) * ROUNDS)
             start = time.perf_counter()
-            for i in range(ROUNDS):  # best per label over interleaved rounds
+            for i in range(ROUNDS):  # interleaved rounds
                 if i and time.perf_counter() - start - sum(compile_log.values()) > BUDGET_S:
                     break  # long ops: one round is all the budget allows
                 for name, fn in list(fns.items()):
@@ -389,9 +445,8 @@ def choose_by_measurement(call: ConvCall, candidates: Sequence[Rule], *, phase: 
                                       f"({COMPILE_BUDGET_S:.0f} s) is spent")
                         continue
                     try:
-                        t = float(_timer(name, fn, share))
-                        timings[name] = min(t, timings.get(name, t))
-                        rounds.setdefault(name, []).append(t)
+                        rounds.setdefault(name, []).append(float(_timer(name, fn, share)))
+                        timings[name] = statistics.median(rounds[name])
                     except Exception as e:
                         if name == "aten":
                             raise
@@ -403,7 +458,7 @@ def choose_by_measurement(call: ConvCall, candidates: Sequence[Rule], *, phase: 
 
     base = timings["aten"]
     best = min((n for n in timings if n != "aten"), key=timings.get, default=None)
-    # A clear win: faster by the margin at best, and in every round against that round's
+    # A clear win: faster by the margin overall, and in every round against that round's
     # original (a burst of load during one candidate's turn cannot make it win).
     wins = best is not None and timings[best] <= (1.0 - MARGIN) * base and all(
         t <= (1.0 - MARGIN) * a for t, a in zip(rounds[best], rounds["aten"]))

@@ -51,8 +51,13 @@ def heuristic_ok(rule: Rule, call: ConvCall, platform: str = "auto") -> tuple[bo
 
 def choose(call: ConvCall, candidates: list[Rule], select: str, *, phase: str = "forward",
            output_mask: Optional[Sequence[bool]] = None, compute_dtype: Optional[str] = None,
-           platform: str = "auto") -> tuple[Optional[Rule], str, dict]:
-    """Return (rule or None, why, timings in seconds by "aten" / rule name)."""
+           platform: str = "auto", produced: bool = True, consumed: bool = True
+           ) -> tuple[Optional[Rule], str, dict]:
+    """Return (rule or None, why, timings in seconds by "aten" / rule name).
+
+    ``produced``: the conv's activation (forward) or gradient (backward) is made by an op of
+    the same graph (its layout is Inductor's choice), not a graph input; ``consumed``: the
+    forward output is read by an op of the graph rather than returned or saved."""
     if not candidates:
         return None, "no rule is eligible", {}
     if select == "always":
@@ -68,4 +73,5 @@ def choose(call: ConvCall, candidates: list[Rule], select: str, *, phase: str = 
     from .measure import choose_by_measurement
 
     return choose_by_measurement(call, candidates, phase=phase, output_mask=output_mask,
-                                 compute_dtype=compute_dtype)
+                                 compute_dtype=compute_dtype, produced=produced,
+                                 consumed=consumed)
