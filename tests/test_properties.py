@@ -20,7 +20,7 @@ from typing import Optional
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import convlower
 from convlower.backend.options import parse as parse_options
