@@ -177,6 +177,7 @@ def main():
     a = ap.parse_args()
     torch._inductor.config.force_disable_caches = True  # honest cold compile times
     torch._dynamo.config.recompile_limit = 64  # one entry per variant on Conv3d.forward
+    torch._dynamo.config.automatic_dynamic_shapes = False  # each shape compiled static
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ratios are speed "
           f"relative to Inductor (>1 = faster), median of {a.rounds} interleaved rounds")
     for dt in a.dtypes:

@@ -203,3 +203,20 @@ def test_dynamic_frame_count_compiles_once(name):
     assert all(not g.startswith(("kernel", "size", "padding")) for g in entries[0]["guards"])
     assert all(not v["guards"] for v in entries[0]["verdicts"])
     assert any(not s.isdigit() for s in entries[0]["call"]["input"])  # T really was symbolic
+
+
+@pytest.mark.parametrize("name", ["time_unfold_conv2d", "time_sum_conv2d"])
+def test_automatic_dynamic_after_shape_changes(name):
+    """Conv3d modules of several sizes share Conv3d.forward, so Dynamo turns channels, frames
+    and spatial sizes dynamic; the last call has one output frame.  time_sum_conv2d once
+    viewed its summed buffer there and Inductor failed ("Invalid ranges [0:-1]")."""
+    torch.manual_seed(0)
+    opts = {"rules": [name], "select": "always"}
+    with torch.no_grad():
+        for shape in ([1, 4, 6, 10, 10], [1, 8, 6, 8, 8], [1, 16, 3, 6, 6]):
+            conv = torch.nn.Conv3d(shape[1], shape[1], 3).eval()
+            x = torch.randn(shape)
+            out = torch.compile(conv, backend="convlower", options=opts)(x)
+            torch.testing.assert_close(out, conv(x), **TOL[torch.float32])
+    last = convlower.report().convolutions[-1]
+    assert last["rule"] == name and any(not s.isdigit() for s in last["call"]["input"])

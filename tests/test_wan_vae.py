@@ -1,7 +1,7 @@
 """diffusers AutoencoderKLWan (small explicit config, random weights): encode + decode.
 
-Compiled with each Conv3d rule forced (select="always") and with select="measure", the result
-matches eager.  Wan's causal convs pad with F.pad before a padding-0 Conv3d, so this also
+Compiled with each Conv3d rule forced (select="always") and with select="measure" (a stub timer
+making each conv pick a different candidate), the result matches eager.  Wan's causal convs pad with F.pad before a padding-0 Conv3d, so this also
 exercises pad folding on a real model.  Five frames: the first chunk and one chunk of four
 (the time-downsampling (3,1,1) stride-2 conv and the feature caches run).
 """
@@ -24,8 +24,27 @@ CASES = {
     "fold+sum": ({"rules": ["time_fold_conv2d", "time_sum_conv2d"], "select": "always"},
                  {"time_fold_conv2d", "time_sum_conv2d"}),
     "unfold": ({"rules": ["time_unfold_conv2d"], "select": "always"}, {"time_unfold_conv2d"}),
-    "measure": ({"select": "measure"}, set()),
+    # Measured selection with a stub timer that makes a different candidate win at each conv
+    # (or none): a model mixing every rule and the original must match eager.  Real compiled
+    # timings are tested on single convs in test_selection.py (each costs seconds of compile).
+    "measure": ({"select": "measure"}, {"time_fold_conv2d", "time_unfold_conv2d",
+                                        "time_sum_conv2d"}),
 }
+
+
+def rotating_timer():
+    """Per measured conv, the next of (original, rule 1, rule 2, ...) in turn is fastest."""
+    state = {"conv": -1, "aten_fn": None, "order": []}
+
+    def timer(label, fn, budget_s):
+        if label == "aten" and fn is not state["aten_fn"]:  # a new conv (fn kept alive here)
+            state.update(conv=state["conv"] + 1, aten_fn=fn, order=[])
+        if label not in state["order"]:
+            state["order"].append(label)
+        winner = state["conv"] % 4  # 0: the original
+        return 0.5 if state["order"].index(label) == winner else 1.0
+
+    return timer
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +65,14 @@ def test_wan_vae_encode_decode_matches_eager(case, vae_and_input, tmp_path):
     opts, must_lower = CASES[case]
     vae, x, ref = vae_and_input
     measure.set_cache_dir(tmp_path)  # a cold decision cache: "measure" really measures
+    prev = measure.set_timer(rotating_timer())
     try:
         f = torch.compile(lambda v: vae.decode(vae.encode(v).latent_dist.mode()).sample,
                           backend="convlower", options=opts)
         with torch.no_grad():
             out = f(x)
     finally:
+        measure.set_timer(prev)
         measure.set_cache_dir(None)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     entries = [e for e in convlower.report().convolutions if len(e["call"]["weight"]) == 5]
@@ -62,5 +83,6 @@ def test_wan_vae_encode_decode_matches_eager(case, vae_and_input, tmp_path):
     if case == "measure":
         measured = [e for e in entries if e["timings"]]
         assert measured and all("aten" in e["timings"] for e in measured)
+        assert any(e["rule"] is None and "kept the original" in e["reason"] for e in measured)
     else:
         assert any(e.get("pad_folded") for e in entries if e["rule"])  # Wan's F.pad was folded

@@ -19,7 +19,7 @@ import sympy
 import torch
 
 from .rule import Condition, ConvCall, Rule, common_conditions
-from .frames import time_taps
+from .frames import batch_to_frames, time_taps
 
 
 class TimeSumConv2d(Rule):
@@ -38,12 +38,13 @@ class TimeSumConv2d(Rule):
             frames = tap.permute(0, 2, 1, 3, 4).reshape(n * t_out, ch, h, w)
             y = torch.conv2d(frames, weight[:, :, i], None, c.stride[1:], c.padding[1:],
                              c.dilation[1:], c.groups)
-            acc = y.to(acc_dtype) if acc is None else acc + y.to(acc_dtype)
+            # Back to (N, O, T_out, H', W') per tap, on the conv2d's own output: viewing the
+            # summed buffer instead made Inductor fail on dynamic sizes ("Invalid ranges").
+            y = batch_to_frames(y, n, t_out).to(acc_dtype)
+            acc = y if acc is None else acc + y
         if bias is not None:
-            acc = acc + bias.to(acc_dtype)[:, None, None]
-        n_o = acc.shape[1]
-        out = acc.view(n, t_out, n_o, *acc.shape[2:]).permute(0, 2, 1, 3, 4)
-        return out.to(x.dtype)
+            acc = acc + bias.to(acc_dtype)[:, None, None, None]
+        return acc.to(x.dtype)
 
 
 RULE = TimeSumConv2d()
