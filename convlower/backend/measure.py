@@ -11,8 +11,8 @@ and picks channels-last for the original conv, so eager ratios were off by up to
   of the rule's emission), with the node's output mask.
 
 Every candidate is compiled before any is timed (``COMPILE_BUDGET_S`` bounds it); then all are
-timed in ``ROUNDS`` interleaved rounds.  A rule replaces the convolution only when it is faster
-by at least ``MARGIN`` (5%) at best and in every round: within noise the original stays.
+timed in ``ROUNDS`` interleaved rounds.  A rule replaces the convolution only when its median is
+faster by at least ``MARGIN`` (5%) and it won in every round: within noise the original stays.
 
 Decisions are cached in memory and on disk (``decisions.json``), keyed by device name, torch
 and convlower versions, phase, dtype, compute dtype, sizes, strides (layout), parameters and
@@ -331,6 +331,7 @@ def _benchmarks(call: ConvCall, candidates, phase, output_mask, compute_dtype, c
             sync()
             return out
         step.prepare, step.compiled = run.prepare, run.compiled
+        step.eager = lambda: (fn(*args), sync())  # uncompiled, for the tiny-conv check
         return step
 
     fns = {}
@@ -361,25 +362,6 @@ def _fake_mode_off():
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
-
-
-def _eager_time(call: ConvCall, phase: str, output_mask) -> float:
-    """Seconds per eager call of the original (the median of a few samples)."""
-    device = call.x.device
-    gen = torch.Generator(device=device).manual_seed(0)
-    x, w = _real(call.x, gen), _real(call.weight, gen)
-    b = torch.zeros(w.shape[0], device=device, dtype=w.dtype) if call.has_bias else None
-    params = (list(call.stride), list(call.padding), list(call.dilation), call.transposed,
-              list(call.output_padding), call.groups)
-    sync = _sync(device)
-    if phase == "forward":
-        run = lambda: aten.convolution(x, w, b, *params)
-    else:
-        mask = [bool(m) for m in (output_mask or (True, True, call.has_bias))]
-        grad = torch.ones_like(aten.convolution(x, w, b, *params))
-        sizes = [w.shape[0]] if call.has_bias else None
-        run = lambda: aten.convolution_backward(grad, x, w, sizes, *params, mask)
-    return default_timer("aten", lambda: (run(), sync()), BUDGET_S / 10)
 
 
 def _compile_all(fns: dict, errors: list) -> None:
@@ -424,7 +406,7 @@ def choose_by_measurement(call: ConvCall, candidates: Sequence[Rule], *, phase: 
             if _compile_first:
                 # Compiling the candidates costs seconds; a conv that takes microseconds
                 # cannot win that back (and in sum is not where a model's time goes).
-                quick = _eager_time(call, phase, output_mask)
+                quick = default_timer("aten", fns["aten"].eager, BUDGET_S / 10)
                 if quick < MIN_CONV_S:
                     why = (f"measured: kept the original (it takes {quick * 1e6:.0f} us eagerly, "
                            f"under the {MIN_CONV_S * 1e6:.0f} us worth compiling candidates for)")
