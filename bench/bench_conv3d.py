@@ -9,6 +9,8 @@ far as it can.  Each sample repeats a call for about 50 ms; rounds are medians. 
 per shape: the compile-time cost of measuring (seconds spent choosing, i.e. compiling and timing
 the candidates, with a cold decision cache), and for fp32 the error of the opt-in
 ``compute_dtype="bfloat16"`` against fp32.
+For the Mochi downsample it also prints the floor of any gather + matmul form (the compiled
+patch gather plus the matmul on ready patches) beside Inductor's conv.
 Goals on a CPU: convlower(measure) / Inductor time <= 1.03 everywhere, >= 1.2x faster than
 Inductor on the Mochi downsample, and a whole small Wan VAE decode no slower than Inductor.
 """
@@ -141,6 +143,33 @@ def bench_shape(name, dtype_name, rounds):
           + " ".join(f"err[{k}]={v:.1e}" for k, v in errs.items()), flush=True)
 
 
+def bench_mochi_floor(dtype_name, rounds):
+    """What any gather + matmul form of the Mochi downsample can reach at best: the compiled
+    patch gather and the matmul on ready patches, timed beside Inductor's conv."""
+    shape, out_ch, k, s, _ = SHAPES["mochi"]
+    dtype = DTYPES[dtype_name]
+    torch.manual_seed(0)
+    n, c, t, h, w = shape
+    x = torch.randn(shape, dtype=dtype)
+    weight = torch.randn(out_ch, c, *k, dtype=dtype)
+    bias = torch.randn(out_ch, dtype=dtype)
+
+    def gather(x):  # (N*T'*H'*W', C*kT*kH*kW) patches
+        return (x.view(n, c, t // 2, 2, h // 2, 2, w // 2, 2).permute(0, 2, 4, 6, 1, 3, 5, 7)
+                .reshape(-1, c * 8))
+
+    patches, w2 = gather(x).contiguous(), weight.reshape(out_ch, -1).t()
+    fns = {"inductor": torch.compile(lambda x: torch.nn.functional.conv3d(x, weight, bias, s)),
+           "gather": torch.compile(gather),
+           "mm": lambda x: torch.addmm(bias, patches, w2)}
+    fns["gather"] = (lambda g: lambda x: g(x).contiguous())(fns["gather"])
+    t_ = time_side_by_side(fns, x, rounds)
+    floor = t_["gather"] + t_["mm"]
+    print(f"mochi     {dtype_name}  floor of a gather+matmul form: gather {t_['gather'] * 1e3:.2f} ms"
+          f" + addmm {t_['mm'] * 1e3:.2f} ms vs Inductor conv {t_['inductor'] * 1e3:.2f} ms: at best "
+          f"{t_['inductor'] / floor:.2f}x Inductor's speed", flush=True)
+
+
 def bench_wan_decode(rounds):
     from diffusers import AutoencoderKLWan
 
@@ -159,13 +188,16 @@ def bench_wan_decode(rounds):
         _, compile_s["measure"] = first_call(fns["measure"], z)
         chose = collections.Counter(e["rule"] or "original" for e in convlower.report().convolutions
                                     if e["phase"] == "forward")
+    with torch.no_grad():
+        err = rel_err(fns["measure"](z), decode(z))
     t = time_side_by_side(fns, z, rounds)
     print(f"wan-vae decode {tuple(z.shape)}: inductor {t['inductor'] * 1e3:.0f} ms, eager "
           f"{t['inductor'] / t['eager']:.2f}x, convlower(measure) {t['inductor'] / t['measure']:.2f}x"
           f" of Inductor speed (time ratio {t['measure'] / t['inductor']:.3f}); compile "
           f"inductor {compile_s['inductor']:.0f} s, convlower(measure) {compile_s['measure']:.0f} s "
           f"of which measuring {spent[0]:.0f} s; convs: "
-          + ", ".join(f"{k} x{v}" for k, v in sorted(chose.items())), flush=True)
+          + ", ".join(f"{k} x{v}" for k, v in sorted(chose.items()))
+          + f"; max rel err vs eager {err:.1e}", flush=True)
 
 
 def main():
@@ -183,6 +215,8 @@ def main():
     for dt in a.dtypes:
         for s in a.shapes:
             bench_shape(s, dt, a.rounds)
+        if "mochi" in a.shapes:
+            bench_mochi_floor(dt, a.rounds)
     if not a.no_vae:
         bench_wan_decode(a.rounds)
 

@@ -139,7 +139,9 @@ def test_a_tiny_conv_keeps_the_original_without_compiling(cache, monkeypatch):
         raise AssertionError("timed a candidate")
 
     measure.set_timer(timer, compiles=True)
-    monkeypatch.setattr(measure, "_compile_all", lambda fns, errors: pytest.fail("compiled"))
+    monkeypatch.setattr(measure, "_compile_all", lambda *a: pytest.fail("compiled"))
+    # the threshold is raised so a loaded machine cannot make this tiny conv look slow
+    monkeypatch.setattr(measure, "MIN_CONV_S", 1.0)
     rule, why, timings = measure.choose_by_measurement(conv_call(), CANDIDATES)
     assert rule is None and "worth compiling candidates for" in why
     assert 0 < timings["aten_eager"] < measure.MIN_CONV_S
