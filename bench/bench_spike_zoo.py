@@ -91,7 +91,8 @@ def write(args, argv, rows, failures, raw, start, done: bool) -> None:
         "calls after which the cold compile has paid for itself (`never`: no step-time gain). "
         "The verdict is `convlower.backend.amortize` on those numbers.",
         "",
-        "Numbers from a shared 2-core CPU are noisy (other jobs ran at the same time); read the "
+        "Numbers from a shared 2-core CPU are noisy (the same op varies up to 2x within "
+        "minutes); read the "
         "ratios, not the absolute times.",
         "",
         table(rows),
