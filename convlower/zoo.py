@@ -178,7 +178,8 @@ ZOO: dict[str, Entry] = {e.name: e for e in [
           _wan_vae, "diffusers"),
     Entry("mochi-downsample",
           "Mochi VAE encoder downsample: Conv3d(128 -> 256, kernel = stride = (2,2,2)); "
-          "eligible for patchify_mm and all three Conv3d rules; measurement picks one.",
+          "eligible for patchify_mm and all three Conv3d rules; measurement picks one or keeps "
+          "the original.",
           {"tiny": dict(in_channels=8, out_channels=16, input=[1, 8, 4, 8, 8]),
            "small": dict(in_channels=128, out_channels=256, input=[1, 128, 8, 32, 32])},
           _mochi_downsample),
