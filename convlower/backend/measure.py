@@ -249,6 +249,31 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
+# Inductor adds a nested compile's time to the enclosing compile's metrics.  Measuring runs
+# inside convlower's pass, whose seconds already hold it: without a restore the report would
+# count it twice (once as convlower, once as Inductor / code generation).
+_NESTED_COLUMNS = ("inductor_cumulative_compile_time_us",
+                   "inductor_code_gen_cumulative_compile_time_us")
+
+
+@contextlib.contextmanager
+def _outer_metrics_kept():
+    from torch._dynamo.utils import get_metrics_context
+
+    ctx = get_metrics_context()
+    metrics = getattr(ctx, "_metrics", None) if ctx.in_progress() else None
+    before = {c: metrics.get(c) for c in _NESTED_COLUMNS} if isinstance(metrics, dict) else None
+    try:
+        yield
+    finally:
+        if before is not None and ctx.in_progress():
+            for column, value in before.items():
+                if value is None:
+                    metrics.pop(column, None)
+                else:
+                    metrics[column] = value
+
+
 def _compiled(fn, args: Sequence[torch.Tensor], prologue: Sequence[bool], epilogue: bool,
               compile_log: dict, label: str) -> Callable[[], object]:
     """``fn(*args)`` as Inductor will run it inside the model: traced to aten and compiled by
@@ -282,7 +307,7 @@ def _compiled(fn, args: Sequence[torch.Tensor], prologue: Sequence[bool], epilog
             try:
                 gm = fwd_only(graph, list(args))
                 # A fresh compile: no outer tracing context, and no convlower pass inside it.
-                with torch._guards.tracing(None), \
+                with torch._guards.tracing(None), _outer_metrics_kept(), \
                         inductor_config.patch(post_grad_custom_pre_pass=None):
                     compiled = compile_fx_inner(gm, list(args))
             finally:
