@@ -92,8 +92,7 @@ def write(args, argv, rows, failures, raw, start, done: bool) -> None:
         "The verdict is `convlower.backend.amortize` on those numbers.",
         "",
         "Numbers from a shared 2-core CPU are noisy (the same op varies up to 2x within "
-        "minutes); read the "
-        "ratios, not the absolute times.",
+        "minutes); read the ratios, not the absolute times.",
         "",
         table(rows),
     ]

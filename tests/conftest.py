@@ -19,3 +19,18 @@ def _fresh_dynamo():
     convlower.reset_report()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def cache(tmp_path):
+    """A cold, private decision cache for measured selection, and the default timer back after
+    the test (which may install a stub with ``measure.set_timer``)."""
+    from convlower.backend import measure
+
+    measure.set_cache_dir(tmp_path)
+    measure.clear_memory()
+    prev = measure.set_timer(None)
+    yield tmp_path
+    measure.set_timer(prev)
+    measure.set_cache_dir(None)
+    measure.clear_memory()

@@ -34,17 +34,6 @@ def stub(times: dict, default: float = 2.0, calls: list | None = None):
     return timer
 
 
-@pytest.fixture
-def cache(tmp_path):
-    measure.set_cache_dir(tmp_path)
-    measure.clear_memory()
-    prev = measure.set_timer(None)
-    yield tmp_path
-    measure.set_timer(prev)
-    measure.set_cache_dir(None)
-    measure.clear_memory()
-
-
 def conv_call(shape=(1, 4, 4, 6, 6), kernel=(2, 2, 2), stride=(2, 2, 2), bias=True, dtype=torch.float32):
     x = torch.randn(shape, dtype=dtype)
     w = torch.randn(8, shape[1], *kernel, dtype=dtype)

@@ -111,15 +111,11 @@ def test_phase_times_present_and_sum_to_total(break_run):
     assert all(c["phases_s"]["convlower"] > 0 for c in rep.compiles if c["rewrites"])
 
 
-def test_measuring_compiles_count_once(tmp_path, monkeypatch):
+def test_measuring_compiles_count_once(cache, monkeypatch):
     """Measuring compiles candidates inside convlower's pass: their seconds belong to the
     convlower phase only, not again to Inductor / code generation (phases sum to the total)."""
     from convlower.backend import measure
 
-    torch._dynamo.reset()
-    convlower.reset_report()
-    measure.set_cache_dir(tmp_path)
-    measure.clear_memory()
     monkeypatch.setattr(measure, "MIN_CONV_S", 0.0)  # measure this small conv all the same
     compiled = []
 
@@ -127,18 +123,11 @@ def test_measuring_compiles_count_once(tmp_path, monkeypatch):
         compiled.append(fn.compiled())
         return 1.0 if label == "aten" else 2.0
 
-    prev = measure.set_timer(timer, compiles=True)
-    try:
-        with torch._inductor.config.patch(force_disable_caches=True), torch.no_grad():
-            m = torch.nn.Conv2d(4, 8, 2, 2)
-            f = torch.compile(m, backend="convlower", dynamic=False,
-                              options={"select": "measure"})
-            f(torch.randn(1, 4, 8, 8))
-    finally:
-        measure.set_timer(prev)
-        measure.set_cache_dir(None)
-        measure.clear_memory()
-        torch._dynamo.reset()
+    measure.set_timer(timer, compiles=True)
+    f = torch.compile(torch.nn.Conv2d(4, 8, 2, 2), backend="convlower", dynamic=False,
+                      options={"select": "measure"})
+    with torch.no_grad():
+        f(torch.randn(1, 4, 8, 8))
     assert compiled and all(compiled)  # the candidates really were compiled by Inductor
     (c,) = convlower.report().compiles
     p = c["phases_s"]

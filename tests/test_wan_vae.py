@@ -59,21 +59,16 @@ def vae_and_input():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_wan_vae_encode_decode_matches_eager(case, vae_and_input, tmp_path):
+def test_wan_vae_encode_decode_matches_eager(case, vae_and_input, cache):
     from convlower.backend import measure
 
     opts, must_lower = CASES[case]
     vae, x, ref = vae_and_input
-    measure.set_cache_dir(tmp_path)  # a cold decision cache: "measure" really measures
-    prev = measure.set_timer(rotating_timer())
-    try:
-        f = torch.compile(lambda v: vae.decode(vae.encode(v).latent_dist.mode()).sample,
-                          backend="convlower", options=opts)
-        with torch.no_grad():
-            out = f(x)
-    finally:
-        measure.set_timer(prev)
-        measure.set_cache_dir(None)
+    measure.set_timer(rotating_timer())  # cold cache (fixture): "measure" really measures
+    f = torch.compile(lambda v: vae.decode(vae.encode(v).latent_dist.mode()).sample,
+                      backend="convlower", options=opts)
+    with torch.no_grad():
+        out = f(x)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     entries = [e for e in convlower.report().convolutions if len(e["call"]["weight"]) == 5]
     assert entries, "no Conv3d seen"
