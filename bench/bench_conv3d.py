@@ -26,7 +26,7 @@ import time
 import torch
 
 import convlower
-from convlower.backend import measure
+from convlower.selection import measure
 from convlower.lowerings import RULES
 from convlower.lowerings.proof import check
 from convlower.lowerings.rule import ConvCall

@@ -22,8 +22,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from convlower import zoo  # noqa: E402
-from convlower.spike import SpikeConfig, run_spike  # noqa: E402
+from convlower.tools import zoo  # noqa: E402
+from convlower.tools.spike import SpikeConfig, run_spike  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -69,7 +69,7 @@ def worker(name: str, cache_dir: str, iters: int) -> None:
     with torch.no_grad():
         compiled, r = convlower.warmup(model, inputs, cache_dir=cache_dir, iters=iters)
         ok = torch.allclose(compiled(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)
-    from convlower.backend.graph_pass import ConvLowerPass
+    from convlower.backend.conv_pass import ConvLowerPass
     from convlower.backend.options import parse
 
     print("RESULT " + json.dumps({

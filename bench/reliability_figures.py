@@ -45,7 +45,7 @@ class _Patch:
 
 def faults_table() -> list[str]:
     import convlower
-    from convlower.backend import graph_pass
+    from convlower.backend import conv_pass as graph_pass
 
     torch._inductor.config.force_disable_caches = True
     rows = ["| fault injected into `patchify_mm` | convs fell back | result = eager | report says why | warnings |",

@@ -4,10 +4,10 @@
     convlower.report()                                  # what was lowered, proven, guarded
     compiled, result = convlower.warmup(model, inputs, cache_dir=...)  # compile at session load
 """
-__version__ = "0.1.0"
-
-from .backend import OptionError, Report, convlower_backend, report, reset_report  # noqa: E402
-from .backend.warmup import WarmupResult, warmup  # noqa: E402
+from .version import __version__
+from .backend import CompileError, OptionError, convlower_backend
+from .observe.report import Report, report, reset_report
+from .tools.warmup import WarmupResult, warmup
 
 __all__ = ["__version__", "convlower_backend", "report", "reset_report", "Report", "OptionError",
-           "warmup", "WarmupResult"]
+           "CompileError", "warmup", "WarmupResult"]

@@ -20,7 +20,7 @@ from typing import Optional
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import zoo
+    from .tools import zoo
 
     p = argparse.ArgumentParser(prog="convlower", description="convlower: a torch.compile backend "
                                 "that lowers convolutions.")
@@ -62,8 +62,8 @@ def _fail(msg: str) -> int:
 
 
 def spike(args) -> int:
-    from . import zoo
-    from .spike import SpikeConfig, SpikeError, format_report, plot, run_spike
+    from .tools import zoo
+    from .tools.spike import SpikeConfig, SpikeError, format_report, plot, run_spike
 
     if args.list:
         print(zoo.describe())

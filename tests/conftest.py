@@ -25,7 +25,7 @@ def _fresh_dynamo():
 def cache(tmp_path):
     """A cold, private decision cache for measured selection, and the default timer back after
     the test (which may install a stub with ``measure.set_timer``)."""
-    from convlower.backend import measure
+    from convlower.selection import measure
 
     measure.set_cache_dir(tmp_path)
     measure.clear_memory()

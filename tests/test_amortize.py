@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from convlower.backend.amortize import DONT, SESSION_LOAD, amortize
+from convlower.tools.amortize import DONT, SESSION_LOAD, amortize
 
 
 def test_speedup_and_break_even():

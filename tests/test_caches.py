@@ -61,10 +61,10 @@ def test_cache_reused_across_processes_and_separated_by_settings(tmp_path):
 
 
 def test_version_change_invalidates(tmp_path, monkeypatch):
-    from convlower.backend.graph_pass import ConvLowerPass
+    from convlower.backend.conv_pass import ConvLowerPass
     from convlower.backend.options import parse
 
-    import convlower.backend.graph_pass as gp
+    import convlower.backend.conv_pass as gp
 
     opts = parse({}, env={})
     before = ConvLowerPass(opts).uuid()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import convlower
-from convlower.backend import graph_pass
+from convlower.backend import conv_pass as graph_pass
 from convlower.lowerings import RULES
 
 RULE = "patchify_mm"  # the faulty rule; the model's convs are all patchify-eligible

@@ -5,7 +5,7 @@ import expecttest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from convlower.backend.graph_pass import ConvLowerPass
+from convlower.backend.conv_pass import ConvLowerPass
 from convlower.backend.options import parse
 
 aten = torch.ops.aten

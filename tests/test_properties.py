@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import convlower
 from convlower.backend.options import parse as parse_options
-from convlower.backend.selection import choose
+from convlower.selection import choose
 from convlower.decompositions import convolution as decomp
 from convlower.lowerings import RULES
 from convlower.lowerings.proof import check

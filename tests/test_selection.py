@@ -16,7 +16,9 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import convlower
-from convlower.backend import measure, options, selection
+from convlower import selection
+from convlower.backend import options
+from convlower.selection import measure
 from convlower.lowerings import RULES
 from convlower.lowerings.rule import ConvCall
 
@@ -188,7 +190,7 @@ def test_decision_cache_on_disk_reused_by_second_process(cache):
         import sys, torch
         sys.path.insert(0, sys.argv[1])
         from test_selection import conv_call, CANDIDATES
-        from convlower.backend import measure
+        from convlower.selection import measure
         def timer(label, fn, budget_s):
             raise AssertionError("measured again")
         measure.set_timer(timer)

@@ -18,7 +18,7 @@ from torch import nn
 
 import convlower
 from convlower.backend import options as opt
-from convlower.backend.platform import site_platform
+from convlower.device import platform as site_platform
 from convlower.backend.snake_pass import canonical, decide_route, match
 from convlower.decompositions import snake as snake_op
 from helpers import compare_with_eager

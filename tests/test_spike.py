@@ -8,10 +8,10 @@ import textwrap
 import pytest
 import torch
 
-from convlower import zoo
+from convlower.tools import zoo
 from convlower.__main__ import main
-from convlower.backend.amortize import amortize
-from convlower.spike import (SpikeConfig, SpikeError, _errors, _Runner, _Watch, recommend,
+from convlower.tools.amortize import amortize
+from convlower.tools.spike import (SpikeConfig, SpikeError, _errors, _Runner, _Watch, recommend,
                              resolve)
 
 FACTORIES = textwrap.dedent('''
@@ -210,7 +210,7 @@ def test_recommendation_prefers_session_load_then_the_faster_step():
 
 
 def test_spike_error_on_bad_settings():
-    from convlower.spike import run_spike
+    from convlower.tools.spike import run_spike
 
     with pytest.raises(SpikeError, match="runs >= 1"):
         run_spike(SpikeConfig(model="mochi-downsample", size="tiny", runs=0, progress=False))
@@ -220,7 +220,7 @@ def test_spike_error_on_bad_settings():
 
 def test_short_reason_names_only_whole_rejections():
     from convlower.lowerings import RULES
-    from convlower.spike import _short_reason
+    from convlower.tools.spike import _short_reason
 
     every = "; ".join(f"{name}: groups == 1 is false" for name in RULES)
     assert _short_reason(every).startswith("no rule applies")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import convlower
-from convlower.backend import stats
-from convlower.backend.graph_pass import ConvLowerPass
+from convlower.observe import stats
+from convlower.backend.conv_pass import ConvLowerPass
 
 
 class Breaks(torch.nn.Module):
@@ -114,7 +114,7 @@ def test_phase_times_present_and_sum_to_total(break_run):
 def test_measuring_compiles_count_once(cache, monkeypatch):
     """Measuring compiles candidates inside convlower's pass: their seconds belong to the
     convlower phase only, not again to Inductor / code generation (phases sum to the total)."""
-    from convlower.backend import measure
+    from convlower.selection import measure
 
     monkeypatch.setattr(measure, "MIN_CONV_S", 0.0)  # measure this small conv all the same
     compiled = []

@@ -60,7 +60,7 @@ def vae_and_input():
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_wan_vae_encode_decode_matches_eager(case, vae_and_input, cache):
-    from convlower.backend import measure
+    from convlower.selection import measure
 
     opts, must_lower = CASES[case]
     vae, x, ref = vae_and_input

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import convlower
-from convlower.backend import warmup as wu
+from convlower.tools import warmup as wu
 
 WORKER = r"""
 import json, sys, torch, convlower
@@ -25,7 +25,7 @@ with torch.no_grad():
     f, r = convlower.warmup(m, (x,), options={"select": "always"}, cache_dir=sys.argv[1], iters=1)
     ok = bool(torch.allclose(f(x), m(x), rtol=1e-5, atol=1e-5))
 d = r.to_dict()
-from convlower.backend.graph_pass import ConvLowerPass
+from convlower.backend.conv_pass import ConvLowerPass
 from convlower.backend.options import parse
 uuid = ConvLowerPass(parse({"select": "always"})).uuid()
 print("RESULT " + json.dumps({"ok": ok, "uuid": uuid, "cache": d["cache"], "warm": d["warm"],

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from convlower import zoo
+from convlower.tools import zoo
 
 
 @pytest.mark.parametrize("name", zoo.names())

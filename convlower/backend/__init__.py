@@ -1,7 +1,5 @@
-"""The backend, its options, statistics and warm-up."""
-from .compiler import convlower_backend
+"""The backend (``torch.compile(m, backend="convlower")``), its options and its graph passes."""
+from .compiler import CompileError, convlower_backend
 from .options import OptionError, Options, parse as parse_options
-from .report import Report, report, reset_report
 
-__all__ = ["convlower_backend", "OptionError", "Options", "parse_options", "Report", "report",
-           "reset_report"]
+__all__ = ["convlower_backend", "CompileError", "OptionError", "Options", "parse_options"]

@@ -15,9 +15,11 @@ from typing import Optional
 
 import torch
 
+from .. import torch_internals as ti
+from ..observe import records as _records
+from ..observe import stats as _stats
 from . import options as _options
-from . import stats as _stats
-from .graph_pass import ConvLowerPass
+from .conv_pass import ConvLowerPass
 from .snake_pass import route_snakes
 
 log = logging.getLogger("convlower")
@@ -28,7 +30,7 @@ _stats.install()  # at backend lookup, so graph breaks of the very first frame a
 def _inductor(mode: Optional[str], inductor_options: dict):
     # The wrapper torch.compile itself builds for backend="inductor": it applies `mode` and
     # validates Inductor options the same way.
-    return torch._TorchCompileInductorWrapper(mode, inductor_options or None, None)
+    return ti.inductor_wrapper(mode, inductor_options)
 
 
 def convlower_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str] = None,
@@ -45,7 +47,7 @@ def convlower_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[s
     try:
         return _inductor(mode, dict(opts.inductor))(gm, example_inputs, config_patches=patches)
     except Exception as e:
-        if type(e).__module__.startswith("torch._dynamo"):
+        if ti.is_dynamo_control_flow(e):
             raise  # Dynamo's own control flow (restart, skip), not a failure
         what = _failure(name, e)
         if opts.fallback == "inductor":
@@ -61,10 +63,8 @@ class CompileError(RuntimeError):
 
 
 def _failure(name: str, e: Exception) -> str:
-    from .report import records
-
-    rules = sorted({f"{c['rule']} ({c['phase']} {c['node']})" for c in records("convolutions")
-                    if c.get("graph") == name and c.get("rule")})
+    rules = sorted({f"{c.rule} ({c.phase} {c.node})" for c in _records.records("convolutions")
+                    if c.graph == name and c.rule})
     applied = f"rules applied: {', '.join(rules)}" if rules else "no convlower rule was applied"
     first = (str(e).splitlines() or [""])[0]
     return f"convlower failed to compile {name} ({applied}): {type(e).__name__}: {first}"

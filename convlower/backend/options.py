@@ -11,9 +11,12 @@ import dataclasses
 import os
 from typing import Any, Optional
 
+from .. import torch_internals as ti
+from ..device import PLATFORMS
+from ..lowerings import RULES
+
 SELECT_MODES = ("measure", "heuristic", "always")
 SNAKE_ROUTES = ("auto", "eager", "fused")
-PLATFORMS = ("auto", "hip", "cuda", "cpu")
 COMPUTE_DTYPES = (None, "bfloat16")
 FALLBACKS = ("error", "inductor")
 
@@ -48,14 +51,8 @@ class Options:
         return d
 
 
-def _all_rules() -> tuple[str, ...]:
-    from ..lowerings import RULES
-
-    return tuple(RULES)
-
-
 def _parse_rules(value) -> tuple[str, ...]:
-    valid = _all_rules()
+    valid = tuple(RULES)
     if isinstance(value, str):
         if value.strip() in ("all", ""):
             return valid if value.strip() == "all" else ()
@@ -84,9 +81,9 @@ def _choice(key, value, allowed):
 def parse(options: Optional[dict] = None, env: Optional[dict] = None) -> Options:
     """Validate ``options`` (+ env vars) into :class:`Options`; raise :class:`OptionError`."""
     env = os.environ if env is None else env
-    options = dict(options or {})
-    if not isinstance(options, dict):
+    if options is not None and not isinstance(options, dict):
         raise OptionError(f"convlower options must be a dict, got {type(options).__name__}")
+    options = dict(options or {})
     ours = {k: options.pop(k) for k in list(options) if k in ENV}
     for key, var in ENV.items():
         if key not in ours and env.get(var):
@@ -106,9 +103,7 @@ def parse(options: Optional[dict] = None, env: Optional[dict] = None) -> Options
 
 
 def _inductor_passthrough(rest: dict) -> tuple[tuple[str, Any], ...]:
-    from torch._inductor import config
-
-    known = config.get_config_copy()
+    known = ti.inductor_config_keys()
     out = []
     for key, value in rest.items():
         name = key.replace("-", "_")

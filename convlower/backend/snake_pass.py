@@ -15,7 +15,7 @@ normalised to a canonical op name.  A site is rewritten only when the constant i
 1e-9 and every intermediate has no other user; DAC's reshapes around it stay as they are.
 
 Routing (:func:`decide_route`) is a pure function of the ``snake`` option, the platform
-(backend/platform.py, injectable) and the dtypes.  Every site found is recorded in the
+(``convlower.device.platform``, injectable) and the dtypes.  Every site found is recorded in the
 report with its route and why.
 """
 from __future__ import annotations
@@ -30,8 +30,8 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from ..decompositions import snake as snake_op
-from . import report as _report
-from .platform import site_platform
+from ..device import platform as device_platform
+from ..observe.records import SnakeRecord, record
 
 log = logging.getLogger("convlower")
 
@@ -228,7 +228,7 @@ def _fake_result(site: Site):
         return torch.ops.convlower.snake.default(*vals)
 
 
-def route_snakes(gm: GraphModule, options, graph_name: str) -> list[dict]:
+def route_snakes(gm: GraphModule, options, graph_name: str) -> list[SnakeRecord]:
     """Find every Snake site in ``gm``, route it, record it; rewrites ``gm`` in place."""
     records, changed = [], False
     for node in list(gm.graph.nodes):
@@ -240,7 +240,7 @@ def route_snakes(gm: GraphModule, options, graph_name: str) -> list[dict]:
             continue
         out = _tensor(site.add)
         dtypes = {v.dtype for v in map(_tensor, (site.x, site.alpha, site.beta, site.add)) if v is not None}
-        platform = site_platform(options.platform, out.device if out is not None else None)
+        platform = device_platform(options.platform, out.device if out is not None else None)
         route, why = decide_route(options.snake, platform, dtypes)
         name = _module_path(site.add)
         if route == "eager":
@@ -254,10 +254,10 @@ def route_snakes(gm: GraphModule, options, graph_name: str) -> list[dict]:
                     problem = f"rewrite failed: {type(e).__name__}: {e}"
             if problem is not None:
                 route, why = "fused", f"{why}; but {problem}, left to Inductor"
-        rec = {"graph": graph_name, "node": name, "variant": site.variant,
-               "dtype": str(out.dtype).replace("torch.", "") if out is not None else "?",
-               "route": route, "why": why}
-        _report.record("snake", rec)
+        rec = SnakeRecord(graph_name, name, site.variant,
+                          str(out.dtype).replace("torch.", "") if out is not None else "?",
+                          route, why)
+        record(rec)
         records.append(rec)
     if changed:
         gm.graph.lint()

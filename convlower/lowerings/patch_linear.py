@@ -46,5 +46,8 @@ class PatchLinear(Rule):
         out = torch.addmm(bias, flat_x, flat_w.t()) if bias is not None else flat_x @ flat_w.t()
         return out.view((n, out_ch) + (1,) * c.ndim)
 
+    def heuristic(self, c, platform):
+        return True, "one output position: a single matrix product (3-4x on CPU)"
+
 
 RULE = PatchLinear()

@@ -14,6 +14,7 @@ from typing import Optional
 
 import sympy
 
+from .. import torch_internals as ti
 from .rule import ConvCall, Rule
 
 
@@ -47,15 +48,12 @@ def _static_value(relation, shape_env) -> Optional[bool]:
         return False
     if shape_env is None:
         return None
-    res = shape_env._maybe_evaluate_static(rel)
-    if res is None:
-        return None
-    return bool(res)
+    return ti.evaluate_static(rel, shape_env)
 
 
 def hint_holds(relation, shape_env) -> bool:
     rel = sympy.sympify(relation)
-    hints = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
+    hints = ti.size_hints(shape_env)
     subs = {s: hints[s] for s in rel.free_symbols if s in hints}
     return bool(rel.xreplace(subs))
 

@@ -4,8 +4,10 @@ A rule never looks at an FX graph.  It sees one convolution call (:class:`ConvCa
 the fake tensors of an ``aten.convolution`` node), states its eligibility as sympy relations
 over the call's parameters and sizes (plain integers, or SymInt expressions under dynamic
 shapes), and emits the equivalent computation as ordinary torch ops on real or fake tensors.
-Whether the relations hold is decided by :mod:`convlower.lowerings.proof`; how the emission is
-spliced into the forward and backward graphs is :mod:`convlower.decompositions.convolution`.
+Whether the relations hold is decided by :mod:`convlower.lowerings.proof`; the forward and
+backward functions built from the emission are :mod:`convlower.decompositions` (the pass
+splices them, selection times them).  A rule also states where it is known to win
+(:meth:`Rule.heuristic`), so adding a rule is one file plus one line in ``RULES``.
 """
 from __future__ import annotations
 
@@ -101,10 +103,17 @@ class ConvCall:
 
 class Rule:
     """Base class of a lowering rule.  Subclasses set ``name`` and ``summary`` and implement
-    :meth:`conditions` and :meth:`emit`."""
+    :meth:`conditions`, :meth:`emit` and :meth:`heuristic`.  Rules whose :meth:`emit` is the
+    same function set the same ``emission`` name: selection times that emission once."""
 
     name: str = ""
     summary: str = ""
+    emission: str = ""  # defaults to ``name``
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if not cls.__dict__.get("emission"):
+            cls.emission = cls.__dict__.get("name", "")
 
     def conditions(self, c: ConvCall) -> list[Condition]:
         raise NotImplementedError
@@ -114,6 +123,11 @@ class Rule:
         """The convolution's value, computed the lowered way.  ``c`` carries the parameters;
         ``x``, ``weight``, ``bias`` are the tensors to compute with (their sizes may be SymInts)."""
         raise NotImplementedError
+
+    def heuristic(self, c: ConvCall, platform: str) -> tuple[bool, str]:
+        """Static knowledge of where this rule wins on ``platform`` ("cpu", "cuda", "hip"):
+        (use it without timing?, why).  Figures are measured ratios, see docs/selection.md."""
+        return False, "no static knowledge about this rule"
 
     def __repr__(self) -> str:
         return f"<rule {self.name}>"

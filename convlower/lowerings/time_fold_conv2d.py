@@ -44,8 +44,15 @@ class TimeFoldConv2d(Rule):
             Condition("dilation[0] == 1 or kernel[0] == 1", sympy.sympify(dl == 1 or k == 1)),
         ]
 
+    emission = "conv2d_over_time"  # shared with time_unfold_conv2d (same function)
+
     def emit(self, c, x, weight, bias):
         return conv2d_over_time(c, x, weight, bias)
+
+    def heuristic(self, c, platform):
+        if c.kernel[0] >= 2:
+            return True, "disjoint temporal windows folded into channels (1.25x fp32 on CPU)"
+        return False, "kT == 1 (time into batch) is not a reliable win"
 
 
 RULE = TimeFoldConv2d()

@@ -46,5 +46,8 @@ class TimeSumConv2d(Rule):
             acc = acc + bias.to(acc_dtype)[:, None, None, None]
         return acc.to(x.dtype)
 
+    def heuristic(self, c, platform):
+        return False, "memory-lean, rarely faster: only by measurement or select=always"
+
 
 RULE = TimeSumConv2d()

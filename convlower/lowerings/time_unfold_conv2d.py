@@ -30,8 +30,15 @@ class TimeUnfoldConv2d(Rule):
     def conditions(self, c: ConvCall) -> list[Condition]:
         return common_conditions(c) + [Condition("3-D convolution", sympy.sympify(c.ndim == 3))]
 
+    emission = "conv2d_over_time"  # shared with time_fold_conv2d (same function)
+
     def emit(self, c, x, weight, bias):
         return conv2d_over_time(c, x, weight, bias)
+
+    def heuristic(self, c, platform):
+        if platform == "hip":
+            return True, "MIOpen picks slow kernels for 3-D convs; batched conv2d is the remedy"
+        return False, f"general Conv3d rewrite is often a loss on {platform} (0.4-1.2x)"
 
 
 RULE = TimeUnfoldConv2d()

@@ -16,9 +16,8 @@ starts, when ``convlower.report()`` is called, at the end of ``convlower.warmup(
 INFO, the full record at DEBUG) and emitted as the structured-trace artifact
 ``convlower_compile_stats`` so ``TORCH_TRACE`` + tlparse show it next to PyTorch's own.
 
-Every private torch API that statistics and warm-up use is wrapped in this module (section
-"torch internals"), so a torch upgrade breaks one file; each wrapper degrades to "unknown"
-instead of failing a compile.
+The torch internals it reads (metrics, counters, callbacks, loggers) are wrapped in
+:mod:`convlower.torch_internals`; each degrades to "unknown" instead of failing a compile.
 """
 from __future__ import annotations
 
@@ -29,35 +28,14 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-import torch
-
-from . import report as _report
+from .. import torch_internals as ti
+from . import records as _records
+from .records import CompileRecord
 
 log = logging.getLogger("convlower")
 
 PHASES = ("dynamo", "aot_autograd", "inductor", "codegen", "convlower")
 ARTIFACT = "convlower_compile_stats"
-
-
-# -- torch internals (private APIs, wrapped here) -------------------------------------------
-def compilation_metrics() -> list:
-    """Dynamo's per-compile ``CompilationMetrics`` entries (the most recent 64 by default)."""
-    try:
-        from torch._dynamo.utils import get_compilation_metrics
-
-        return list(get_compilation_metrics())
-    except Exception:  # moved or renamed in another torch
-        return []
-
-
-def counters() -> dict[str, dict[str, int]]:
-    """A copy of ``torch._dynamo.utils.counters`` (cache hit/miss/bypass, graph breaks, ...)."""
-    try:
-        from torch._dynamo.utils import counters as c
-
-        return {k: dict(v) for k, v in c.items()}
-    except Exception:
-        return {}
 
 
 def cache_counts(before: dict, after: dict) -> dict[str, int]:
@@ -72,73 +50,6 @@ def cache_counts(before: dict, after: dict) -> dict[str, int]:
             "aot_autograd_miss": delta("aot_autograd", "autograd_cache_miss"),
             "aot_autograd_bypass": delta("aot_autograd", "autograd_cache_bypass")}
 
-
-def current_compile_id() -> Optional[str]:
-    try:
-        from torch._guards import CompileContext
-
-        cid = CompileContext.current_compile_id()
-        return None if cid is None else str(cid)
-    except Exception:
-        return None
-
-
-def _on_compile(start: Callable, end: Callable) -> bool:
-    try:
-        from torch._dynamo import callback
-
-        callback.on_compile_start(start)
-        callback.on_compile_end(end)
-        return True
-    except Exception:
-        return False
-
-
-def _graph_break_logger() -> Optional[logging.Logger]:
-    try:
-        return torch._logging.getArtifactLogger("torch._dynamo.symbolic_convert", "graph_breaks")
-    except Exception:
-        return None
-
-
-def trace_artifact(name: str, payload: dict, compile_id: Optional[str] = None) -> None:
-    """Emit a JSON structured-trace artifact (a no-op unless TORCH_TRACE / a trace handler is on)."""
-    try:
-        from torch._guards import CompileId
-
-        cid = CompileId.from_string(compile_id) if compile_id else None
-        torch._logging.trace_structured(
-            "artifact", metadata_fn=lambda: {"name": name, "encoding": "json"},
-            payload_fn=lambda: json.dumps(payload, default=str), compile_id=cid)
-    except Exception as e:
-        log.debug("convlower: could not emit trace artifact %s: %r", name, e)
-
-
-def clear_inductor_caches() -> None:
-    """Forget Inductor's in-memory caches (after its cache directory changed)."""
-    try:
-        from torch._inductor.utils import clear_caches
-
-        clear_caches()
-    except Exception:
-        pass
-
-
-def inductor_cache_dir() -> Optional[str]:
-    try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-        return cache_dir()
-    except Exception:
-        return None
-
-
-def caches_disabled() -> bool:
-    """Whether Inductor's caches are forced off (config or TORCHINDUCTOR_FORCE_DISABLE_CACHES)."""
-    try:
-        return bool(torch._inductor.config.force_disable_caches)
-    except Exception:
-        return False
 
 
 # -- convlower's own events -----------------------------------------------------------------
@@ -156,13 +67,13 @@ def _now_us() -> int:
 
 def _event(kind: str, **data) -> None:
     with _lock:
-        _events.append({"t": _now_us(), "cid": current_compile_id(), "kind": kind, **data})
+        _events.append({"t": _now_us(), "cid": ti.current_compile_id(), "kind": kind, **data})
 
 
 def note_graph(graph_name: str) -> None:
     """Called by the backend for every graph it receives."""
     install()
-    cid = current_compile_id()
+    cid = ti.current_compile_id()
     with _lock:
         if cid is not None:
             _convlower_ids[cid] = _now_us()
@@ -207,7 +118,7 @@ _handler = _GraphBreakHandler(logging.DEBUG)
 def _arm_graph_break_log() -> None:
     # Dynamo formats the location only when its graph_breaks log is enabled; enable it for our
     # handler alone (propagate off) unless the user already enabled it (then share it).
-    lg = _graph_break_logger()
+    lg = ti.graph_break_logger()
     if lg is None:
         return
     if _handler not in lg.handlers:
@@ -236,9 +147,9 @@ def install() -> None:
         if _installed:
             return
         _installed = True
-    _on_compile(_on_start, _on_end)
+    ti.on_compile(_on_start, _on_end)
     _arm_graph_break_log()
-    _report.before_snapshot.append(collect)
+    _records.before_snapshot.append(collect)
 
 
 # -- records -------------------------------------------------------------------------------
@@ -294,45 +205,43 @@ def summary_line(r: dict) -> str:
     return "; ".join(parts)
 
 
-def _make_record(m, events: list[dict], convs: list[dict]) -> dict:
+def _make_record(m, events: list[dict], convs: list) -> CompileRecord:
     phase = "backward" if m.is_forward is False else "forward"
     graphs = sorted({e["graph"] for e in events if e["kind"] in ("graph", "pass")},
                     key=lambda g: (len(g), g))
     pass_s = sum(e["seconds"] for e in events if e["kind"] == "pass")
     total, phases = _phases(m, pass_s)
-    mine = [c for c in convs if c.get("graph") in graphs and c.get("phase") == phase]
+    mine = [c for c in convs if c.graph in graphs and c.phase == phase]
     rewrites: dict[str, int] = {}
     for c in mine:
-        if c.get("rule"):
-            rewrites[c["rule"]] = rewrites.get(c["rule"], 0) + 1
+        if c.rule:
+            rewrites[c.rule] = rewrites.get(c.rule, 0) + 1
     breaks = [{"reason": e["reason"], "location": e["location"]} for e in events
               if e["kind"] == "break"]
-    rec = {
-        "compile_id": str(m.compile_id), "phase": phase, "frame": _frame(m), "graphs": graphs,
-        "graph_breaks": breaks,
-        "recompile_reason": m.recompile_reason if phase == "forward" else None,
-        "total_s": round(total, 6), "phases_s": phases,
-        "cache": {"fx_graph_hit": m.inductor_fx_local_cache_hit_count or 0,
-                  "fx_graph_miss": m.inductor_fx_local_cache_miss_count or 0,
-                  "aot_autograd_hit": m.aotautograd_local_cache_hit_count or 0,
-                  "aot_autograd_miss": m.aotautograd_local_cache_miss_count or 0},
-        "rewrites": rewrites,
-        "guards": [g for c in mine for g in c.get("guards", [])],
-        "failed": m.fail_reason.splitlines()[0] if m.fail_reason else None,
-        "end_time_us": m.end_time_us,
-    }
-    rec["summary"] = summary_line(rec)
+    rec = CompileRecord(
+        compile_id=str(m.compile_id), phase=phase, frame=_frame(m), graphs=graphs,
+        graph_breaks=breaks,
+        recompile_reason=m.recompile_reason if phase == "forward" else None,
+        total_s=round(total, 6), phases_s=phases,
+        cache={"fx_graph_hit": m.inductor_fx_local_cache_hit_count or 0,
+               "fx_graph_miss": m.inductor_fx_local_cache_miss_count or 0,
+               "aot_autograd_hit": m.aotautograd_local_cache_hit_count or 0,
+               "aot_autograd_miss": m.aotautograd_local_cache_miss_count or 0},
+        rewrites=rewrites, guards=[g for c in mine for g in c.guards],
+        failed=m.fail_reason.splitlines()[0] if m.fail_reason else None,
+        end_time_us=m.end_time_us)
+    rec.summary = summary_line(rec)
     return rec
 
 
-def collect() -> list[dict]:
+def collect() -> list[CompileRecord]:
     """Turn finished compiles into ``"compiles"`` report records; return the new records."""
     if not _installed:
         return []
     new = []
     with _lock:
-        metrics = compilation_metrics()
-        convs = _report.records("convolutions")
+        metrics = ti.compilation_metrics()
+        convs = _records.records("convolutions")
         newest_end = 0
         for m in metrics:
             key = (str(m.compile_id), m.is_forward, m.start_time_us)
@@ -346,7 +255,7 @@ def collect() -> list[dict]:
             if m.is_forward is False:  # a backward served from the cache runs no pass
                 ours = ours or _convlower_ids.get(cid, m.start_time_us + 1) <= m.start_time_us
             elif not ours:
-                _convlower_ids.pop(cid, None)  # ids restart after torch._dynamo.reset()
+                _convlower_ids.pop(cid, None)  # ids restart after torch.compiler.reset()
             if not ours and not (evs and _convlower_ids):
                 continue  # another backend's compile (or a graph-less frame before convlower ran)
             if m.co_name:
@@ -356,14 +265,14 @@ def collect() -> list[dict]:
         if newest_end:
             _events[:] = [e for e in _events if e["t"] > newest_end]
     for rec in new:
-        _report.record("compiles", rec)
-        log.info("%s", rec["summary"])
-        log.debug("convlower compile statistics: %s", json.dumps(rec, default=str, indent=1))
-        trace_artifact(ARTIFACT, rec, rec["compile_id"])
+        _records.record(rec)
+        log.info("%s", rec.summary)
+        log.debug("convlower compile statistics: %s", json.dumps(rec.to_dict(), default=str, indent=1))
+        ti.trace_artifact(ARTIFACT, rec.to_dict(), rec.compile_id)
     return new
 
 
-def totals(records: list[dict]) -> dict[str, Any]:
+def totals(records: list) -> dict[str, Any]:
     """Sum a list of ``"compiles"`` records (e.g. those of one warm-up)."""
     out: dict[str, Any] = {
         "compiles": len(records),
@@ -396,5 +305,5 @@ class window:
 
     def __exit__(self, *exc) -> None:
         collect()
-        self.records = [r for r in _report.records("compiles")
-                        if r.get("end_time_us", 0) >= self.start_us]
+        self.records = [r for r in _records.records("compiles")
+                        if (r.end_time_us or 0) >= self.start_us]

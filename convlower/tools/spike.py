@@ -4,7 +4,7 @@ The experiment users write by hand before adopting ``torch.compile``, as one fun
 process it runs the model eagerly, under ``backend="inductor"`` and under
 ``backend="convlower"`` and measures, per backend:
 
-* cold compile: the first call after ``torch._dynamo.reset()`` with Inductor's caches off;
+* cold compile: the first call after ``torch.compiler.reset()`` with Inductor's caches off;
 * warm compile: the first call after a reset with the caches on and populated (a first
   cache-filling compile runs in between, untimed, unless the caches already had the graphs);
 * steady-state step time: ``runs`` rounds after ``warmup`` untimed rounds, the three backends
@@ -31,10 +31,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import __version__, zoo
-from .backend import stats as _stats
-from .backend.amortize import DONT, amortize
-from .backend.report import report as conv_report, reset_report
+from .. import torch_internals as _ti
+from ..backend.options import OptionError, parse
+from ..lowerings import RULES
+from ..observe import stats as _stats
+from ..observe.report import report as conv_report, reset_report
+from ..version import __version__
+from . import zoo
+from .amortize import DONT, amortize
 
 BACKENDS = ("eager", "inductor", "convlower")
 COMPILED = ("inductor", "convlower")
@@ -139,13 +143,13 @@ class _Watch:
     """
 
     def __enter__(self):
-        self._counters = _stats.counters()
-        self._seen = {id(m) for m in _stats.compilation_metrics()}
+        self._counters = _ti.counters()
+        self._seen = {id(m) for m in _ti.compilation_metrics()}
         return self
 
     def __exit__(self, *exc):
-        after = _stats.counters()
-        new = [m for m in _stats.compilation_metrics() if id(m) not in self._seen]
+        after = _ti.counters()
+        new = [m for m in _ti.compilation_metrics() if id(m) not in self._seen]
         before = self._counters.get("graph_break", {})
         breaks = {k: v - before.get(k, 0) for k, v in after.get("graph_break", {}).items()}
         self.graph_break_reasons = sorted(k for k, v in breaks.items() if v > 0)
@@ -291,9 +295,9 @@ def _conv_rows(rep: dict) -> list[dict]:
 def _prime_process() -> None:
     """Compile a trivial function once, so the first backend measured does not also pay the
     process's one-time start-up (Inductor imports, compile workers, C++ header)."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     torch.compile(lambda x: (x + 1).sin(), backend="inductor")(torch.ones(4))
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
 
 def run_spike(cfg: SpikeConfig) -> dict:
@@ -304,8 +308,6 @@ def run_spike(cfg: SpikeConfig) -> dict:
         raise SpikeError("--device cuda: no CUDA device is available")
     if cfg.runs < 1 or cfg.warmup < 0:
         raise SpikeError(f"need runs >= 1 and warmup >= 0, got runs={cfg.runs}, warmup={cfg.warmup}")
-    from .backend.options import OptionError, parse
-
     try:
         inductor_options = dict(parse(cfg.options, env={}).inductor)
     except OptionError as e:
@@ -333,8 +335,6 @@ def run_spike(cfg: SpikeConfig) -> dict:
     if not reference:
         raise SpikeError(f"model {cfg.model!r} returned no tensor")
 
-    import torch._inductor.config as inductor_config
-
     progress.say("paying the process's one-time compile start-up (imports, worker pool)")
     _prime_process()
     results: dict[str, dict] = {"eager": {"backend": "eager", "first_call_s": eager_first}}
@@ -343,10 +343,10 @@ def run_spike(cfg: SpikeConfig) -> dict:
         res = results[backend] = {"backend": backend, "error": None}
         try:
             progress.say(f"{backend}: cold compile (caches off)")
-            torch._dynamo.reset()
+            torch.compiler.reset()
             if backend == "convlower":
                 reset_report()
-            with inductor_config.patch(force_disable_caches=True), _Watch() as watch, \
+            with _ti.inductor_caches_off(), _Watch() as watch, \
                     _stats.window() as window, warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*force_disable_caches")
                 run.compile(backend, inductor_options)
@@ -357,13 +357,13 @@ def run_spike(cfg: SpikeConfig) -> dict:
                 decisions = conv_report().to_dict()
                 res["compile_phases_s"] = _stats.totals(window.records)["phases_s"]
             progress.say(f"{backend}: warm compile (caches on)")
-            torch._dynamo.reset()
+            torch.compiler.reset()
             with _Watch() as fill:
                 run.compile(backend, inductor_options)
                 first, _ = run.timed(backend)
             if fill.cache["fx_misses"] or fill.cache["aot_misses"] or not (
                     fill.cache["fx_hits"] or fill.cache["aot_hits"]):
-                torch._dynamo.reset()  # that call filled the caches; the next one reads them
+                torch.compiler.reset()  # that call filled the caches; the next one reads them
                 with _Watch() as fill:
                     run.compile(backend, inductor_options)
                     first, _ = run.timed(backend)
@@ -374,7 +374,7 @@ def run_spike(cfg: SpikeConfig) -> dict:
             progress.say(f"{backend}: compile failed: {res['error']}")
 
     # Steady state: every backend that compiled, interleaved in a rotating order.
-    torch._dynamo.reset()
+    torch.compiler.reset()
     live = ["eager"] + [b for b in COMPILED if results[b]["error"] is None]
     for backend in live[1:]:
         try:
@@ -453,7 +453,6 @@ def _ms(s: Optional[float]) -> str:
 
 def _short_reason(reason: str) -> str:
     """'rule_a: cond is false; rule_b: ...' (every rule's rejection) -> 'no rule applies'."""
-    from .lowerings import RULES
 
     parts = reason.removesuffix(" (cached)").split("; ")
     if len(parts) > 1 and all(p.split(":")[0] in RULES for p in parts):

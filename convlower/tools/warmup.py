@@ -3,8 +3,8 @@
 ``convlower.warmup(model, example_inputs)`` compiles ``model`` with the convlower backend, runs
 the warm-up steps (so the first real call is fast) and returns ``(compiled, WarmupResult)``:
 compile seconds, whether the caches were cold or warm, eager and compiled step timings, the
-compile statistics (:mod:`convlower.backend.stats`) and the amortisation verdict
-(:mod:`convlower.backend.amortize`).
+compile statistics (:mod:`convlower.observe.stats`) and the amortisation verdict
+(:mod:`convlower.tools.amortize`).
 
 With ``cache_dir`` it persists, and reuses in the next process, what makes a compile cheap:
 
@@ -12,7 +12,7 @@ With ``cache_dir`` it persists, and reuses in the next process, what makes a com
   C++ kernels).  On CPU this is what saves most: the kernels are not rebuilt.
 * ``artifacts.bin``: the portable cache artifacts (``torch.compiler.save_cache_artifacts``),
   which refill an emptied Inductor cache directory (the C++ kernels are then rebuilt).
-* ``convlower/``: convlower's measured rule decisions (:mod:`convlower.backend.measure`).
+* ``convlower/``: convlower's measured rule decisions (:mod:`convlower.selection.cache`).
 
 Cache directories hold pickled data: loading one runs code from it.  Use only a directory
 that you (and nobody else) can write.  convlower creates it owner-only (0700), writes its own
@@ -36,9 +36,13 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from . import stats as _stats
+from .. import torch_internals as ti
+from ..device import sync, tensors
+from ..observe import stats as _stats
+from ..private_files import write_atomic
+from ..selection.cache import CACHE as DECISIONS
+from ..version import __version__
 from .amortize import Amortization, amortize
-from .private_files import write_atomic
 
 log = logging.getLogger("convlower")
 
@@ -123,22 +127,14 @@ def _point_caches(cache_dir: str, warns: _Warnings) -> None:
     inductor = _private_dir(os.path.join(cache_dir, "inductor"), warns)
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") != inductor:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor
-        _stats.clear_inductor_caches()  # cached paths still point at the old directory
-    decisions = _private_dir(os.path.join(cache_dir, "convlower"), warns)
-    try:
-        from . import measure
-
-        measure.set_cache_dir(decisions)
-    except (ImportError, AttributeError):
-        os.environ["CONVLOWER_CACHE_DIR"] = decisions
-    if _stats.caches_disabled():
+        ti.clear_inductor_caches()  # cached paths still point at the old directory
+    DECISIONS.set_directory(_private_dir(os.path.join(cache_dir, "convlower"), warns))
+    if ti.caches_disabled():
         warns.add("convlower: Inductor's caches are disabled (force_disable_caches / "
                   "TORCHINDUCTOR_FORCE_DISABLE_CACHES): cache_dir will not make compiles faster")
 
 
 def _header() -> dict:
-    from .. import __version__
-
     return {"format": _FORMAT, "torch": torch.__version__, "convlower": __version__}
 
 
@@ -199,35 +195,17 @@ def _fresh_inductor_dir(cache_dir: str, error: Exception, warns: _Warnings) -> N
         os.replace(inductor, aside)
     shutil.rmtree(aside, ignore_errors=True)
     _private_dir(inductor, warns)
-    _stats.clear_inductor_caches()
+    ti.clear_inductor_caches()
 
 
 # -- running steps -----------------------------------------------------------------------------
-def _tensors(x) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):
-        x = list(x.values())
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors(v)]
-    return [t for t in (getattr(x, k, None) for k in getattr(x, "__dataclass_fields__", {}))
-            if isinstance(t, torch.Tensor)]
-
-
-def _sync(inputs) -> None:
-    for t in _tensors(inputs):
-        if t.device.type == "cuda":
-            torch.cuda.synchronize(t.device)
-            return
-
-
 def _step(fn, inputs, backward: bool):
     out = fn(*inputs)
     if backward:
-        loss = [o.float().sum() for o in _tensors(out) if o.requires_grad]
+        loss = [o.float().sum() for o in tensors(out) if o.requires_grad]
         if loss:
             torch.stack(loss).sum().backward()
-    _sync(inputs)
+    sync(inputs)
     return out
 
 
@@ -244,7 +222,7 @@ def _timed(fn, inputs, backward: bool, n: int) -> list[float]:
 def _keep_grads(model, inputs):
     """Warm-up must not leave gradients behind in the user's parameters or inputs."""
     leaves = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
-    leaves += [t for t in _tensors(inputs) if t.is_leaf]
+    leaves += [t for t in tensors(inputs) if t.is_leaf]
     saved = [(t, t.grad) for t in leaves]
     try:
         yield
@@ -260,7 +238,7 @@ def _mark_dynamic(inputs: tuple, dynamic: dict) -> None:
 
 
 def _cache_state(counts: dict) -> str:
-    if _stats.caches_disabled():
+    if ti.caches_disabled():
         return "disabled"
     hits = counts["fx_graph_hit"] + counts["aot_autograd_hit"]
     if hits and not counts["fx_graph_miss"]:
@@ -300,7 +278,7 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
         if iters > 0:
             _step(model, inputs, backward)  # untimed: first-call allocations and library plans
             eager = _timed(model, inputs, backward, iters)
-        before = _stats.counters()
+        before = ti.counters()
         with _stats.window() as w:
             start = time.perf_counter()
             try:
@@ -312,7 +290,7 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
                 _step(compiled, inputs, backward)
             first = time.perf_counter() - start
             steps = _timed(compiled, inputs, backward, iters)
-        counts = _stats.cache_counts(before, _stats.counters())
+        counts = _stats.cache_counts(before, ti.counters())
 
     if cache_dir is not None:
         _save_artifacts(os.path.join(cache_dir, ARTIFACTS), warns)
@@ -328,5 +306,5 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
         statistics=_stats.totals(w.records), compiles=w.records, amortization=verdict,
         cache_dir=cache_dir, warnings=list(warns))
     log.info("%s", str(result).splitlines()[0])
-    _stats.trace_artifact("convlower_warmup", result.to_dict())
+    ti.trace_artifact("convlower_warmup", result.to_dict())
     return compiled, result

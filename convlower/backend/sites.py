@@ -1,0 +1,44 @@
+"""Pass step: read one convolution node into a :class:`ConvSite` (built once, passed whole)."""
+from __future__ import annotations
+
+import torch
+
+from ..lowerings.rule import ConvCall
+from ..lowerings.site import ConvSite
+from .pad_fold import fold_pad
+
+
+def _val(a):
+    return a.meta["val"] if isinstance(a, torch.fx.Node) else a
+
+
+def input_nodes(node: torch.fx.Node) -> list:
+    """The graph values the emission takes, in :attr:`ConvSite.inputs` order."""
+    if node.target is torch.ops.aten.convolution_backward.default:
+        return list(node.args[:3])  # grad_out, input, weight
+    folded = fold_pad(node)
+    first = folded.source if folded else node.args[0]
+    return [first] + [a for a in node.args[1:3] if a is not None]
+
+
+def site_of(node: torch.fx.Node, graph_name: str) -> ConvSite:
+    vals = [_val(a) for a in node.args]
+    inputs = tuple(_val(a) for a in input_nodes(node))
+    if node.target is torch.ops.aten.convolution_backward.default:
+        call = ConvCall.from_args(vals[1:10])  # (input, weight, bias_sizes, params...)
+        return ConvSite(call, call, "backward", graph_name, node.name, inputs, node.meta["val"],
+                        output_mask=tuple(bool(m) for m in node.args[10]),
+                        input_produced=_produced(node.args[0]), output_consumed=False)
+    folded = fold_pad(node)
+    original = ConvCall.from_args(vals)
+    # Is the activation made by an op of this graph, or a graph input with a fixed layout?
+    # Is the output read by an op, or returned / saved?  Measuring reproduces both.
+    return ConvSite(folded.call if folded else original, original, "forward", graph_name,
+                    node.name, inputs, node.meta["val"],
+                    pad_fold=folded.fold if folded else None,
+                    input_produced=_produced(folded.source if folded else node.args[0]),
+                    output_consumed=all(u.op != "output" for u in node.users))
+
+
+def _produced(value) -> bool:
+    return not (isinstance(value, torch.fx.Node) and value.op == "placeholder")

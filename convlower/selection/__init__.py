@@ -1,0 +1,49 @@
+"""Which eligible rule (if any) lowers a convolution site.  See docs/selection.md.
+
+``measure`` (the default): time the original convolution and each candidate on the real
+device, dtype and layout, switch only for a clear win, cache the decision on disk
+(:mod:`.measure`).  ``heuristic``: each rule's own static knowledge of where it wins
+(``Rule.heuristic``), no timing.  ``always``: the first eligible rule in priority order (for
+experiments and tests).  Selection knows sites and rules, never the graph pass.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from ..device import platform as device_platform
+from ..lowerings.rule import Rule
+from ..lowerings.site import ConvSite
+from .cache import CACHE
+from .decision import HOW, Decision
+from .measure import measure
+from .timer import set_timer
+
+__all__ = ["choose", "Decision", "HOW", "set_timer", "set_cache_dir", "cache_dir",
+           "clear_memory"]
+
+
+def choose(site: ConvSite, candidates: Sequence[Rule], select: str, *, platform: str = "auto",
+           compute_dtype: Optional[str] = None) -> Decision:
+    if not candidates:
+        return Decision(None, "no rule is eligible", "none eligible")
+    if select == "always":
+        return Decision(candidates[0], "forced (select=always)", "forced")
+    if select == "heuristic":
+        return _heuristic(site, candidates, device_platform(platform, site.call.x.device))
+    return measure(site, candidates, compute_dtype)
+
+
+def _heuristic(site: ConvSite, candidates: Sequence[Rule], plat: str) -> Decision:
+    whys = []
+    for rule in candidates:
+        ok, why = rule.heuristic(site.call, plat)
+        if ok:
+            return Decision(rule, f"heuristic: {why}", "heuristic")
+        whys.append(f"{rule.name}: {why}")
+    return Decision(None, "heuristic: " + "; ".join(whys), "heuristic")
+
+
+# The knobs users and tests turn: where decisions are kept, and the timer.
+set_cache_dir = CACHE.set_directory
+cache_dir = CACHE.directory
+clear_memory = CACHE.clear_memory

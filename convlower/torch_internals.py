@@ -1,0 +1,243 @@
+"""Every private torch API convlower calls, in one place (the adapter to torch internals).
+
+A torch upgrade that moves one of these breaks this file, not the package.  Functions that
+only observe (statistics, metrics, trace artifacts) degrade to "unknown" instead of raising;
+those the compile needs (tracing, compiling, shape proofs) raise, and the caller's fault
+containment keeps the original convolution.  A test (tests/test_architecture.py) fails when
+a module other than this one names a private torch module.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from typing import Callable, Optional
+
+import sympy
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files  # noqa: F401
+
+log = logging.getLogger("convlower")
+
+
+# -- fake tensors, symbolic shapes -----------------------------------------------------------------
+def fake_mode_of(values):
+    """The fake mode the (fake) tensors in ``values`` belong to, or None."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode(values)
+
+
+def in_fake_mode_of(values):
+    """A context that runs ops in the fake mode of ``values`` (or does nothing)."""
+    mode = fake_mode_of(values)
+    return mode if mode is not None else contextlib.nullcontext()
+
+
+def shape_env_of(values):
+    mode = fake_mode_of(values)
+    return mode.shape_env if mode is not None else None
+
+
+def fake_mode_off():
+    """A context with no fake mode active (real tensors inside a compile)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def evaluate_static(relation, shape_env) -> Optional[bool]:
+    """True / False when ``shape_env`` proves or refutes ``relation`` without a guard, else None."""
+    res = shape_env._maybe_evaluate_static(sympy.sympify(relation))
+    return None if res is None else bool(res)
+
+
+def size_hints(shape_env) -> dict:
+    """The current value of every backed size symbol."""
+    return getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
+
+
+def guard_count(shape_env) -> int:
+    return len(shape_env.guards) if shape_env is not None else 0
+
+
+def guards_since(shape_env, start: int) -> list[str]:
+    return [str(g.expr) for g in shape_env.guards[start:]] if shape_env is not None else []
+
+
+def hint(v) -> int:
+    """A size's concrete value, a SymInt's hint read without installing a guard."""
+    if isinstance(v, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+        return int(optimization_hint(v, fallback=8))
+    return int(v)
+
+
+def memory_format_of(t: torch.Tensor) -> torch.memory_format:
+    from torch._prims_common import suggest_memory_format
+
+    return suggest_memory_format(t)
+
+
+# -- tracing and compiling -------------------------------------------------------------------------
+def trace_aten(fn: Callable, values: list) -> torch.fx.GraphModule:
+    """Trace ``fn`` on ``values`` into an aten graph (Inductor's replacement tracer), in the
+    values' own fake mode when they are fake."""
+    from torch._inductor.pattern_matcher import fwd_only
+
+    with in_fake_mode_of(values):
+        return fwd_only(fn, list(values))
+
+
+def compile_inner(gm: torch.fx.GraphModule, values: list):
+    """Compile an aten graph with Inductor, outside any enclosing trace and with convlower's
+    pass off (a measurement candidate); returns a boxed callable."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    with torch._guards.tracing(None), outer_metrics_kept(), \
+            inductor_config.patch(post_grad_custom_pre_pass=None):
+        return compile_fx_inner(gm, list(values))
+
+
+def inductor_wrapper(mode: Optional[str], inductor_options: Optional[dict]):
+    """The wrapper torch.compile builds for backend="inductor" (same mode and option handling)."""
+    return torch._TorchCompileInductorWrapper(mode, inductor_options or None, None)
+
+
+def inductor_config_keys() -> dict:
+    from torch._inductor import config
+
+    return config.get_config_copy()
+
+
+def is_dynamo_control_flow(e: BaseException) -> bool:
+    """Dynamo's own exceptions (restart analysis, skip frame): not failures to contain."""
+    return type(e).__module__.startswith("torch._dynamo")
+
+
+# Inductor adds a nested compile's time to the enclosing compile's metrics.  Measuring runs
+# inside convlower's pass, whose seconds already hold it: without a restore the report would
+# count it twice (once as convlower, once as Inductor / code generation).
+_NESTED_COLUMNS = ("inductor_cumulative_compile_time_us",
+                   "inductor_code_gen_cumulative_compile_time_us")
+
+
+@contextlib.contextmanager
+def outer_metrics_kept():
+    try:
+        from torch._dynamo.utils import get_metrics_context
+
+        ctx = get_metrics_context()
+        metrics = getattr(ctx, "_metrics", None) if ctx.in_progress() else None
+    except Exception:  # moved in another torch: only the phase split suffers
+        ctx = metrics = None
+    before = {c: metrics.get(c) for c in _NESTED_COLUMNS} if isinstance(metrics, dict) else None
+    try:
+        yield
+    finally:
+        if before is not None and ctx.in_progress():
+            for column, value in before.items():
+                if value is None:
+                    metrics.pop(column, None)
+                else:
+                    metrics[column] = value
+
+
+# -- statistics (observe only: never raise) --------------------------------------------------------
+def compilation_metrics() -> list:
+    """Dynamo's per-compile ``CompilationMetrics`` entries (the most recent 64 by default)."""
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+
+        return list(get_compilation_metrics())
+    except Exception:
+        return []
+
+
+def counters() -> dict[str, dict[str, int]]:
+    """A copy of ``torch._dynamo.utils.counters`` (cache hit/miss/bypass, graph breaks, ...)."""
+    try:
+        from torch._dynamo.utils import counters as c
+
+        return {k: dict(v) for k, v in c.items()}
+    except Exception:
+        return {}
+
+
+def current_compile_id() -> Optional[str]:
+    try:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+        return None if cid is None else str(cid)
+    except Exception:
+        return None
+
+
+def on_compile(start: Callable, end: Callable) -> bool:
+    try:
+        from torch._dynamo import callback
+
+        callback.on_compile_start(start)
+        callback.on_compile_end(end)
+        return True
+    except Exception:
+        return False
+
+
+def graph_break_logger() -> Optional[logging.Logger]:
+    try:
+        return torch._logging.getArtifactLogger("torch._dynamo.symbolic_convert", "graph_breaks")
+    except Exception:
+        return None
+
+
+def trace_artifact(name: str, payload: dict, compile_id: Optional[str] = None) -> None:
+    """Emit a JSON structured-trace artifact (a no-op unless TORCH_TRACE / a trace handler is on)."""
+    try:
+        from torch._guards import CompileId
+
+        cid = CompileId.from_string(compile_id) if compile_id else None
+        torch._logging.trace_structured(
+            "artifact", metadata_fn=lambda: {"name": name, "encoding": "json"},
+            payload_fn=lambda: json.dumps(payload, default=str), compile_id=cid)
+    except Exception as e:
+        log.debug("convlower: could not emit trace artifact %s: %r", name, e)
+
+
+def clear_inductor_caches() -> None:
+    """Forget Inductor's in-memory caches (after its cache directory changed)."""
+    try:
+        from torch._inductor.utils import clear_caches
+
+        clear_caches()
+    except Exception:
+        pass
+
+
+def inductor_cache_dir() -> Optional[str]:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        return cache_dir()
+    except Exception:
+        return None
+
+
+def caches_disabled() -> bool:
+    """Whether Inductor's caches are forced off (config or TORCHINDUCTOR_FORCE_DISABLE_CACHES)."""
+    try:
+        return bool(torch._inductor.config.force_disable_caches)
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def inductor_caches_off():
+    """Inductor's caches off inside (a cold compile)."""
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(force_disable_caches=True):
+        yield
