@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 from ..device import platform as device_platform
 from ..lowerings.rule import Rule
 from ..lowerings.site import ConvSite
+from . import ranks
 from .cache import CACHE
 from .decision import HOW, Decision
 from .measure import measure
@@ -24,6 +25,12 @@ __all__ = ["choose", "Decision", "HOW", "set_timer", "set_cache_dir", "cache_dir
 
 def choose(site: ConvSite, candidates: Sequence[Rule], select: str, *, platform: str = "auto",
            compute_dtype: Optional[str] = None) -> Decision:
+    """The rule for ``site`` (or None), the same on every rank of a process group."""
+    decision = _choose_here(site, candidates, select, platform, compute_dtype)
+    return ranks.agree(site, candidates, decision)
+
+
+def _choose_here(site, candidates, select, platform, compute_dtype) -> Decision:
     if not candidates:
         return Decision(None, "no rule is eligible", "none eligible")
     if select == "always":
