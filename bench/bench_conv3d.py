@@ -26,6 +26,7 @@ import time
 import torch
 
 import convlower
+from convlower import selection
 from convlower.selection import measure
 from convlower.lowerings import RULES
 from convlower.lowerings.proof import check
@@ -83,7 +84,7 @@ def cold_measuring():
     """A cold decision cache (so "measure" really measures) and a clock on measuring: yields
     a one-item list that ends up holding the seconds spent choosing (compiling + timing)."""
     spent = [0.0]
-    choose = measure.choose_by_measurement
+    choose = measure.decide
 
     def clocked(*args, **kwargs):
         t0 = time.perf_counter()
@@ -93,14 +94,14 @@ def cold_measuring():
             spent[0] += time.perf_counter() - t0
 
     with tempfile.TemporaryDirectory() as cache:
-        measure.set_cache_dir(cache)
-        measure.clear_memory()
-        measure.choose_by_measurement = clocked
+        selection.set_cache_dir(cache)
+        selection.clear_memory()
+        measure.decide = clocked
         try:
             yield spent
         finally:
-            measure.choose_by_measurement = choose
-            measure.set_cache_dir(None)
+            measure.decide = choose
+            selection.set_cache_dir(None)
 
 
 def rel_err(a, b):

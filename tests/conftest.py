@@ -25,12 +25,12 @@ def _fresh_dynamo():
 def cache(tmp_path):
     """A cold, private decision cache for measured selection, and the default timer back after
     the test (which may install a stub with ``measure.set_timer``)."""
-    from convlower.selection import measure
+    from convlower import selection
 
-    measure.set_cache_dir(tmp_path)
-    measure.clear_memory()
-    prev = measure.set_timer(None)
+    selection.set_cache_dir(tmp_path)
+    selection.clear_memory()
+    prev = selection.set_timer(None)
     yield tmp_path
-    measure.set_timer(prev)
-    measure.set_cache_dir(None)
-    measure.clear_memory()
+    selection.set_timer(prev)
+    selection.set_cache_dir(None)
+    selection.clear_memory()

@@ -21,6 +21,8 @@ from convlower.backend import options
 from convlower.selection import measure
 from convlower.lowerings import RULES
 from convlower.lowerings.rule import ConvCall
+from convlower.lowerings.site import site_of_call
+from convlower.selection import cache as decision_cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,26 +45,40 @@ def conv_call(shape=(1, 4, 4, 6, 6), kernel=(2, 2, 2), stride=(2, 2, 2), bias=Tr
     return ConvCall.from_args([x, w, b, stride, (0, 0, 0), (1, 1, 1), False, (0, 0, 0), 1])
 
 
-CANDIDATES = [RULES["patchify_mm"], RULES["time_fold_conv2d"], RULES["time_unfold_conv2d"]]
+# three distinct emissions (time_unfold_conv2d shares time_fold_conv2d's, see below)
+CANDIDATES = [RULES["patchify_mm"], RULES["time_fold_conv2d"], RULES["time_sum_conv2d"]]
+
+
+def measured(call, candidates, phase="forward", output_mask=None, compute_dtype=None, **ctx):
+    """(rule, why, timings) of a measured decision for a bare call."""
+    d = measure.decide(site_of_call(call, phase, output_mask, **ctx), candidates, compute_dtype)
+    return d.rule, d.why, d.timings
+
+
+def key(call, candidates, phase="forward", output_mask=None, compute_dtype=None, produced=True,
+        consumed=True):
+    site = site_of_call(call, phase, output_mask, input_produced=produced,
+                        output_consumed=consumed)
+    return decision_cache.decision_key(site, candidates, compute_dtype, measure.METHOD)
 
 
 def test_measure_keeps_original_when_every_rule_is_slower(cache):
     calls = []
-    measure.set_timer(stub({"aten": 1.0}, default=1.5, calls=calls))
-    rule, why, timings = measure.choose_by_measurement(conv_call(), CANDIDATES)
+    selection.set_timer(stub({"aten": 1.0}, default=1.5, calls=calls))
+    rule, why, timings = measured(conv_call(), CANDIDATES)
     assert rule is None and "kept the original" in why
     assert sorted(calls) == sorted(["aten", *(r.name for r in CANDIDATES)] * measure.ROUNDS)
-    assert timings == {"aten": 1.0, "patchify_mm": 1.5, "time_fold_conv2d": 1.5, "time_unfold_conv2d": 1.5}
+    assert timings == {"aten": 1.0, "patchify_mm": 1.5, "time_fold_conv2d": 1.5, "time_sum_conv2d": 1.5}
 
 
 def test_measure_picks_fastest_rule_only_beyond_margin(cache):
-    measure.set_timer(stub({"aten": 1.0, "time_fold_conv2d": 0.8, "time_unfold_conv2d": 0.7}))
-    rule, why, _ = measure.choose_by_measurement(conv_call(), CANDIDATES)
-    assert rule is RULES["time_unfold_conv2d"] and "0.70x" in why
-    measure.clear_memory()
-    measure.set_cache_dir(cache / "other")
-    measure.set_timer(stub({"aten": 1.0, "time_fold_conv2d": 0.97}))  # within noise
-    rule, why, _ = measure.choose_by_measurement(conv_call(), CANDIDATES)
+    selection.set_timer(stub({"aten": 1.0, "time_fold_conv2d": 0.8, "time_sum_conv2d": 0.7}))
+    rule, why, _ = measured(conv_call(), CANDIDATES)
+    assert rule is RULES["time_sum_conv2d"] and "0.70x" in why
+    selection.clear_memory()
+    selection.set_cache_dir(cache / "other")
+    selection.set_timer(stub({"aten": 1.0, "time_fold_conv2d": 0.97}))  # within noise
+    rule, why, _ = measured(conv_call(), CANDIDATES)
     assert rule is None and "5%" in why
 
 
@@ -76,15 +92,15 @@ def test_measure_timer_runs_real_benchmarks(cache):
         assert budget_s > 0
         return {"aten": 1.0}.get(label, 2.0)
 
-    measure.set_timer(timer)
+    selection.set_timer(timer)
     call = ConvCall.from_args(
         [torch.randn(2, 4, 5, 6, 6).to(memory_format=torch.channels_last_3d),
          torch.randn(8, 4, 2, 2, 2), None, (2, 2, 2), (0, 0, 0), (1, 1, 1), False, (0, 0, 0), 1])
-    measure.choose_by_measurement(call, CANDIDATES)
+    measured(call, CANDIDATES)
     one_round = [("aten", (2, 8, 2, 3, 3))] + [(r.name, (2, 8, 2, 3, 3)) for r in CANDIDATES]
     assert ran == one_round * measure.ROUNDS  # interleaved rounds
     ran.clear()
-    measure.choose_by_measurement(call, CANDIDATES, phase="backward", output_mask=[True, True, False])
+    measured(call, CANDIDATES, phase="backward", output_mask=[True, True, False])
     assert [r[0] for r in ran] == [n for n, _ in one_round] * measure.ROUNDS  # phase is in the key
 
 
@@ -100,24 +116,24 @@ def test_measured_candidates_are_inductor_compiled_graphs_of_the_same_value(cach
         return {"aten": 1.0}.get(label, 2.0)
 
     fns_seen = []
-    real_benchmarks = measure._benchmarks
+    real_benchmarks = measure.benchmarks
 
     def spy(*args, **kwargs):
         fns = real_benchmarks(*args, **kwargs)
         fns_seen.extend(fns.values())
         return fns
 
-    measure.set_timer(timer, compiles=True)
+    selection.set_timer(timer, compiles=True)
     call = ConvCall.from_args([torch.randn(2, 4, 4, 6, 6), torch.randn(8, 4, 2, 2, 2),
                                torch.randn(8), (2, 2, 2), (0, 0, 0), (1, 1, 1), False, (0, 0, 0), 1])
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(measure, "_benchmarks", spy)
+        mp.setattr(measure, "benchmarks", spy)
         mp.setattr(measure, "MIN_CONV_S", 0.0)  # measure this tiny conv all the same
         for phase, mask in (("forward", None), ("backward", [True, True, True])):
             outs.clear()
             compiled_at_first_timing.clear()
             fns_seen.clear()
-            measure.choose_by_measurement(call, CANDIDATES, phase=phase, output_mask=mask)
+            measured(call, CANDIDATES, phase=phase, output_mask=mask)
             assert compiled_at_first_timing == [True] * (1 + len(CANDIDATES))
             assert set(outs) == {"aten", *(r.name for r in CANDIDATES)}
             for name, out in outs.items():
@@ -129,15 +145,15 @@ def test_a_tiny_conv_keeps_the_original_without_compiling(cache, monkeypatch):
     def timer(label, fn, budget_s):
         raise AssertionError("timed a candidate")
 
-    measure.set_timer(timer, compiles=True)
-    monkeypatch.setattr(measure, "_compile_all", lambda *a: pytest.fail("compiled"))
+    selection.set_timer(timer, compiles=True)
+    monkeypatch.setattr(measure._Run, "compile_all", lambda *a: pytest.fail("compiled"))
     # the threshold is raised so a loaded machine cannot make this tiny conv look slow
     monkeypatch.setattr(measure, "MIN_CONV_S", 1.0)
-    rule, why, timings = measure.choose_by_measurement(conv_call(), CANDIDATES)
+    rule, why, timings = measured(conv_call(), CANDIDATES)
     assert rule is None and "worth compiling candidates for" in why
     assert 0 < timings["aten_eager"] < measure.MIN_CONV_S
     monkeypatch.setattr(measure, "MIN_CONV_S", 0.0)  # a cached decision is not re-measured
-    assert measure.choose_by_measurement(conv_call(), CANDIDATES)[1].endswith("(cached)")
+    assert measured(conv_call(), CANDIDATES)[1].endswith("(cached)")
 
 
 def test_a_rule_must_win_every_round(cache):
@@ -149,16 +165,16 @@ def test_a_rule_must_win_every_round(cache):
             return 1.0
         return 0.5 if i < measure.ROUNDS - 1 else 1.0
 
-    measure.set_timer(timer)
-    rule, why, timings = measure.choose_by_measurement(conv_call(), [RULES["time_fold_conv2d"]])
+    selection.set_timer(timer)
+    rule, why, timings = measured(conv_call(), [RULES["time_fold_conv2d"]])
     assert rule is None and "every round" in why and timings["time_fold_conv2d"] == 0.5
 
 
 def test_compile_budget_bounds_measuring(cache, monkeypatch):
     monkeypatch.setattr(measure, "COMPILE_BUDGET_S", 0.0)
     monkeypatch.setattr(measure, "MIN_CONV_S", 0.0)  # measure this tiny conv all the same
-    measure.set_timer(stub({"aten": 1.0}, default=0.1), compiles=True)
-    rule, why, timings = measure.choose_by_measurement(conv_call(), CANDIDATES)
+    selection.set_timer(stub({"aten": 1.0}, default=0.1), compiles=True)
+    rule, why, timings = measured(conv_call(), CANDIDATES)
     assert rule is None and set(timings) == {"aten"}
     assert "time_fold_conv2d not measured: the compile budget" in why
 
@@ -167,37 +183,36 @@ def test_failed_measurement_keeps_original(cache):
     def timer(label, fn, budget_s):
         raise RuntimeError("out of memory")
 
-    measure.set_timer(timer)
-    rule, why, _ = measure.choose_by_measurement(conv_call(), CANDIDATES)
+    selection.set_timer(timer)
+    rule, why, _ = measured(conv_call(), CANDIDATES)
     assert rule is None and "measurement failed" in why
 
 
 def test_decision_cache_on_disk_reused_by_second_process(cache):
-    measure.set_timer(stub({"aten": 1.0, "time_fold_conv2d": 0.5}))
-    rule, why, _ = measure.choose_by_measurement(conv_call(), CANDIDATES)
+    selection.set_timer(stub({"aten": 1.0, "time_fold_conv2d": 0.5}))
+    rule, why, _ = measured(conv_call(), CANDIDATES)
     assert rule is RULES["time_fold_conv2d"]
-    path = cache / measure.CACHE_FILE
+    path = cache / decision_cache.CACHE_FILE
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     data = json.loads(path.read_text())
     (raw_key, decision), = data["decisions"].items()
     key = json.loads(raw_key)
     assert decision["rule"] == "time_fold_conv2d" and decision["timings"]["aten"] == 1.0
-    for field in ("device", "torch", "dtype", "x", "x_stride", "w", "stride", "padding", "groups"):
+    for field in ("device", "torch", "dtype", "inputs", "strides", "stride", "padding", "groups"):
         assert field in key
     assert not [f for f in os.listdir(cache) if f.endswith(".tmp")]  # written atomically
 
     script = textwrap.dedent("""
         import sys, torch
         sys.path.insert(0, sys.argv[1])
-        from test_selection import conv_call, CANDIDATES
-        from convlower.selection import measure
+        from test_selection import conv_call, CANDIDATES, measured, key
+        from convlower import selection
         def timer(label, fn, budget_s):
             raise AssertionError("measured again")
-        measure.set_timer(timer)
+        selection.set_timer(timer)
         torch.manual_seed(1)
-        rule, why, timings = measure.choose_by_measurement(conv_call(), CANDIDATES)
-        assert rule is not None, (why, measure.decision_key(conv_call(), CANDIDATES, "forward",
-                                                            None, None))
+        rule, why, timings = measured(conv_call(), CANDIDATES)
+        assert rule is not None, (why, key(conv_call(), CANDIDATES))
         print(rule.name, "|", why, "|", timings["aten"])
     """)
     env = dict(os.environ, CONVLOWER_CACHE_DIR=str(cache))
@@ -209,37 +224,37 @@ def test_decision_cache_on_disk_reused_by_second_process(cache):
 
 
 def test_key_separates_dtype_layout_and_shape(cache):
-    a = measure.decision_key(conv_call(), CANDIDATES, "forward", None, None)
-    b = measure.decision_key(conv_call(dtype=torch.bfloat16), CANDIDATES, "forward", None, None)
-    c = measure.decision_key(conv_call(shape=(1, 4, 6, 6, 6)), CANDIDATES, "forward", None, None)
+    a = key(conv_call(), CANDIDATES)
+    b = key(conv_call(dtype=torch.bfloat16), CANDIDATES)
+    c = key(conv_call(shape=(1, 4, 6, 6, 6)), CANDIDATES)
     x = torch.randn(1, 4, 4, 6, 6).to(memory_format=torch.channels_last_3d)
     cl = conv_call()
-    d = measure.decision_key(ConvCall(x, *[getattr(cl, f) for f in (
+    d = key(ConvCall(x, *[getattr(cl, f) for f in (
         "weight", "has_bias", "stride", "padding", "dilation", "transposed", "output_padding",
-        "groups")]), CANDIDATES, "forward", None, None)
-    e = measure.decision_key(conv_call(), CANDIDATES, "forward", None, "bfloat16")
+        "groups")]), CANDIDATES)
+    e = key(conv_call(), CANDIDATES, "forward", None, "bfloat16")
     assert len({a, b, c, d, e}) == 5
 
 
 def test_corrupt_cache_is_ignored_with_a_warning(cache):
-    (cache / measure.CACHE_FILE).write_text("{not json")
-    measure.set_timer(stub({"aten": 1.0, "time_fold_conv2d": 0.5}))
+    (cache / decision_cache.CACHE_FILE).write_text("{not json")
+    selection.set_timer(stub({"aten": 1.0, "time_fold_conv2d": 0.5}))
     with pytest.warns(RuntimeWarning, match="ignoring the decision cache"):
-        rule, _, _ = measure.choose_by_measurement(conv_call(), CANDIDATES)
+        rule, _, _ = measured(conv_call(), CANDIDATES)
     assert rule is RULES["time_fold_conv2d"]
-    data = json.loads((cache / measure.CACHE_FILE).read_text())  # replaced by a valid file
+    data = json.loads((cache / decision_cache.CACHE_FILE).read_text())  # replaced by a valid file
     assert len(data["decisions"]) == 1
 
 
 def test_cache_dir_from_env_and_setter(tmp_path, monkeypatch):
-    measure.set_cache_dir(None)
+    selection.set_cache_dir(None)
     monkeypatch.setenv("CONVLOWER_CACHE_DIR", str(tmp_path / "env"))
-    assert measure.cache_dir() == str(tmp_path / "env")
-    measure.set_cache_dir(tmp_path / "set")
-    assert measure.cache_dir() == str(tmp_path / "set")
-    measure.set_cache_dir(None)
+    assert selection.cache_dir() == str(tmp_path / "env")
+    selection.set_cache_dir(tmp_path / "set")
+    assert selection.cache_dir() == str(tmp_path / "set")
+    selection.set_cache_dir(None)
     monkeypatch.delenv("CONVLOWER_CACHE_DIR")
-    assert measure.cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "convlower")
+    assert selection.cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "convlower")
 
 
 def test_default_select_is_measure():
@@ -253,12 +268,14 @@ def test_heuristic_table():
                               (1, 2, 2), (0, 0, 0), (1, 1, 1), False, (0, 0, 0), 1])
     vae = ConvCall.from_args([torch.randn(1, 8, 5, 8, 8), torch.randn(8, 8, 3, 3, 3), None,
                               (1, 1, 1), (1, 1, 1), (1, 1, 1), False, (0, 0, 0), 1])
-    choose = lambda call, names, **kw: selection.choose(call, [RULES[n] for n in names], "heuristic", **kw)[0]
+    choose = lambda call, names, **kw: selection.choose(
+        site_of_call(call), [RULES[n] for n in names], "heuristic", **kw).rule
     assert choose(mochi, ["patchify_mm", "time_fold_conv2d", "time_unfold_conv2d"]) is RULES["time_fold_conv2d"]
     assert choose(dit, ["patchify_mm", "time_fold_conv2d", "time_unfold_conv2d"]) is None
     assert choose(vae, ["time_unfold_conv2d", "time_sum_conv2d"]) is None
     assert choose(vae, ["time_unfold_conv2d", "time_sum_conv2d"], platform="hip") is RULES["time_unfold_conv2d"]
-    assert selection.choose(vae, [RULES["time_sum_conv2d"]], "always")[0] is RULES["time_sum_conv2d"]
+    assert selection.choose(site_of_call(vae), [RULES["time_sum_conv2d"]], "always").rule \
+        is RULES["time_sum_conv2d"]
 
 
 def _compile_once(opts, tol=1e-5):
@@ -272,18 +289,19 @@ def _compile_once(opts, tol=1e-5):
 
 
 def test_compiled_measure_records_timings_and_keeps_slow_rules_out(cache):
-    measure.set_timer(stub({"aten": 1.0}, default=3.0))
-    code, (entry,) = _compile_once({"rules": ["time_fold_conv2d", "time_unfold_conv2d"]})
+    selection.set_timer(stub({"aten": 1.0}, default=3.0))
+    code, (entry,) = _compile_once({"rules": ["time_fold_conv2d", "time_sum_conv2d"]})
     assert entry["rule"] is None and "kept the original" in entry["reason"]
-    assert entry["timings"] == {"aten": 1.0, "time_fold_conv2d": 3.0, "time_unfold_conv2d": 3.0}
+    assert entry["timings"] == {"aten": 1.0, "time_fold_conv2d": 3.0, "time_sum_conv2d": 3.0}
+    assert entry["how"] == "measurement" and entry["decision_s"] > 0
     assert "stride=(2, 1, 1)" in code  # the conv3d is still there
 
     torch._dynamo.reset()
     convlower.reset_report()
-    measure.set_timer(stub({"aten": 1.0, "time_unfold_conv2d": 0.5}, default=3.0))
-    code, (entry,) = _compile_once({"rules": ["time_fold_conv2d", "time_unfold_conv2d"],
+    selection.set_timer(stub({"aten": 1.0, "time_sum_conv2d": 0.5}, default=3.0))
+    code, (entry,) = _compile_once({"rules": ["time_fold_conv2d", "time_sum_conv2d"],
                                     "select": "measure", "compute_dtype": "bfloat16"}, tol=5e-2)
-    assert entry["rule"] == "time_unfold_conv2d" and entry["timings"]["time_unfold_conv2d"] == 0.5
+    assert entry["rule"] == "time_sum_conv2d" and entry["timings"]["time_sum_conv2d"] == 0.5
     assert "stride=(2, 1, 1)" not in code
 
 
@@ -291,17 +309,17 @@ def test_pass_tells_measure_whether_input_is_produced_and_output_consumed(cache)
     """The measurement reproduces the conv's context: a graph-input activation keeps its
     layout, a produced one may take Inductor's; a returned output is materialised."""
     seen = []
-    real_benchmarks = measure._benchmarks
+    real_benchmarks = measure.benchmarks
 
-    def spy(call, candidates, phase, mask, cdt, log, produced=True, consumed=True):
-        seen.append((phase, produced, consumed))
-        return real_benchmarks(call, candidates, phase, mask, cdt, log, produced, consumed)
+    def spy(site, candidates, cdt, log):
+        seen.append((site.phase, site.input_produced, site.output_consumed))
+        return real_benchmarks(site, candidates, cdt, log)
 
     conv = torch.nn.Conv3d(3, 4, 2, 2)
     x = torch.randn(1, 3, 4, 6, 6)
-    measure.set_timer(stub({"aten": 1.0}, default=3.0))
+    selection.set_timer(stub({"aten": 1.0}, default=3.0))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(measure, "_benchmarks", spy)
+        mp.setattr(measure, "benchmarks", spy)
         for fn, want in ((conv, (False, False)), (lambda v: conv(v.relu()).relu(), (True, True))):
             torch._dynamo.reset()
             convlower.reset_report()
@@ -311,6 +329,30 @@ def test_pass_tells_measure_whether_input_is_produced_and_output_consumed(cache)
             (entry,) = convlower.report().convolutions
             assert (entry["input_produced"], entry["output_consumed"]) == want
             assert seen == [("forward", *want)]
-    keys = {measure.decision_key(conv_call(), CANDIDATES, "forward", None, None, p, c)
+    keys = {key(conv_call(), CANDIDATES, "forward", None, None, p, c)
             for p in (True, False) for c in (True, False)}
     assert len(keys) == 4
+
+
+def test_rules_sharing_an_emission_are_timed_once(cache):
+    """time_fold_conv2d and time_unfold_conv2d emit the same function: one compile, one timing,
+    labelled by the first (priority order)."""
+    calls = []
+    selection.set_timer(stub({"aten": 1.0, "time_fold_conv2d": 0.5}, calls=calls))
+    rule, _, timings = measured(conv_call(), [RULES["time_fold_conv2d"], RULES["time_unfold_conv2d"]])
+    assert rule is RULES["time_fold_conv2d"] and set(timings) == {"aten", "time_fold_conv2d"}
+    assert sorted(set(calls)) == ["aten", "time_fold_conv2d"]
+
+
+@pytest.mark.parametrize("bad", [0.0, -1e-3, float("nan"), float("inf"), "fast"])
+def test_broken_timer_values_keep_the_original_with_a_reason(cache, bad):
+    """Some GPU timers report elapsed <= 0 (MIOpen 3.6 on gfx1151): never trust such a figure."""
+    selection.set_timer(stub({"aten": 1.0, "time_fold_conv2d": bad}))
+    rule, why, timings = measured(conv_call(), [RULES["time_fold_conv2d"]])
+    assert rule is None and "time_fold_conv2d: timer returned" in why
+    assert "time_fold_conv2d" not in timings
+    selection.clear_memory()
+    selection.set_cache_dir(cache / "aten")
+    selection.set_timer(stub({"aten": bad}, default=0.5))  # a broken baseline: nothing wins
+    rule, why, _ = measured(conv_call(), [RULES["time_fold_conv2d"]])
+    assert rule is None and "measurement failed" in why and "timer returned" in why

@@ -114,6 +114,7 @@ def test_phase_times_present_and_sum_to_total(break_run):
 def test_measuring_compiles_count_once(cache, monkeypatch):
     """Measuring compiles candidates inside convlower's pass: their seconds belong to the
     convlower phase only, not again to Inductor / code generation (phases sum to the total)."""
+    from convlower import selection
     from convlower.selection import measure
 
     monkeypatch.setattr(measure, "MIN_CONV_S", 0.0)  # measure this small conv all the same
@@ -123,7 +124,7 @@ def test_measuring_compiles_count_once(cache, monkeypatch):
         compiled.append(fn.compiled())
         return 1.0 if label == "aten" else 2.0
 
-    measure.set_timer(timer, compiles=True)
+    selection.set_timer(timer, compiles=True)
     f = torch.compile(torch.nn.Conv2d(4, 8, 2, 2), backend="convlower", dynamic=False,
                       options={"select": "measure"})
     with torch.no_grad():

@@ -60,11 +60,12 @@ def vae_and_input():
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_wan_vae_encode_decode_matches_eager(case, vae_and_input, cache):
+    from convlower import selection
     from convlower.selection import measure
 
     opts, must_lower = CASES[case]
     vae, x, ref = vae_and_input
-    measure.set_timer(rotating_timer())  # cold cache (fixture): "measure" really measures
+    selection.set_timer(rotating_timer())  # cold cache (fixture): "measure" really measures
     f = torch.compile(lambda v: vae.decode(vae.encode(v).latent_dist.mode()).sample,
                       backend="convlower", options=opts)
     with torch.no_grad():

@@ -16,7 +16,7 @@ from ..lowerings.site import ConvSite
 from . import ranks
 from .cache import CACHE
 from .decision import HOW, Decision
-from .measure import measure
+from . import measure
 from .timer import set_timer
 
 __all__ = ["choose", "Decision", "HOW", "set_timer", "set_cache_dir", "cache_dir",
@@ -37,7 +37,7 @@ def _choose_here(site, candidates, select, platform, compute_dtype) -> Decision:
         return Decision(candidates[0], "forced (select=always)", "forced")
     if select == "heuristic":
         return _heuristic(site, candidates, device_platform(platform, site.call.x.device))
-    return measure(site, candidates, compute_dtype)
+    return measure.decide(site, candidates, compute_dtype)
 
 
 def _heuristic(site: ConvSite, candidates: Sequence[Rule], plat: str) -> Decision:

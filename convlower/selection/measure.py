@@ -86,7 +86,7 @@ def compiled_step(fn: Callable, args: list, prologue: Sequence[bool], epilogue: 
         prepare()
         out = state["fn"](list(args))  # boxed call: it consumes the list
         _device.sync(args[0].device)
-        return out
+        return out[0] if len(out) == 1 else tuple(out)
 
     step.prepare, step.compiled = prepare, lambda: "fn" in state
     step.eager = lambda: (fn(*args), _device.sync(args[0].device))  # for the tiny-conv check
@@ -174,7 +174,7 @@ class _Run:
             self.rounds.setdefault(name, []).append(float(seconds))
 
 
-def measure(site: ConvSite, candidates: Sequence[Rule],
+def decide(site: ConvSite, candidates: Sequence[Rule],
             compute_dtype: Optional[str] = None) -> Decision:
     """Time the original and the candidates; the fastest clear winner, or the original."""
     key = decision_key(site, candidates, compute_dtype, METHOD)
