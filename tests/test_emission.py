@@ -1,0 +1,68 @@
+"""One emission builder: pad folding as a pass step, and the function timed is the one spliced."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import convlower
+from convlower import selection, torch_internals as ti
+from convlower.backend.pad_fold import fold_pad
+from convlower.decompositions import emission
+from convlower.lowerings import RULES
+
+aten = torch.ops.aten
+
+
+def _conv_node(fn, *args):
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    (node,) = [n for n in gm.graph.nodes if n.target is aten.convolution.default]
+    return node
+
+
+def test_pad_fold_on_a_hand_built_graph():
+    x, w = torch.randn(1, 2, 4, 6, 6), torch.randn(3, 2, 3, 3, 3)
+    # Wan's causal pad: (W 1,1) (H 1,1) (T 2,0): spatial parts fold, the time pad stays
+    node = _conv_node(lambda x, w: F.conv3d(F.pad(x, (1, 1, 1, 1, 2, 0)), w), x, w)
+    folded = fold_pad(node)
+    assert folded.source is node.args[0].args[0]  # the pad's input
+    assert folded.fold.pads == (1, 1, 1, 1, 2, 0) and folded.fold.rest == (0, 0, 0, 0, 2, 0)
+    assert folded.call.padding == (0, 1, 1)  # conv's own padding + the folded symmetric part
+    assert [int(s) for s in folded.call.x.shape] == [1, 2, 6, 6, 6]  # time pad left on x
+
+    sym = _conv_node(lambda x, w: F.conv3d(F.pad(x, (1, 1, 1, 1, 1, 1)), w, padding=(1, 0, 0)), x, w)
+    assert fold_pad(sym).fold.rest is None and fold_pad(sym).call.padding == (2, 1, 1)
+    for fn in (lambda x, w: F.conv3d(F.pad(x, (1, 1, 1, 1, 1, 1), value=1.0), w),  # non-zero
+               lambda x, w: F.conv3d(F.pad(x, (0, 0, 0, 0, 2, 0)), w),  # nothing symmetric
+               lambda x, w: F.conv3d(x, w)):  # no pad
+        assert fold_pad(_conv_node(fn, x, w)) is None
+
+
+def test_the_function_timed_is_the_function_spliced(cache, monkeypatch):
+    """Selection and the pass both call emission.build; traced on the site's inputs the two
+    functions give the same graph, leftover pad included (the timed copy once lacked it)."""
+    built = []
+    real_build = emission.build
+
+    def spy(site, rule, compute_dtype=None):
+        fn = real_build(site, rule, compute_dtype)
+        built.append((site, rule, fn))
+        return fn
+
+    monkeypatch.setattr(emission, "build", spy)
+    monkeypatch.setattr(selection.measure, "MIN_CONV_S", 0.0)
+    selection.set_timer(lambda label, fn, budget: 1.0 if label == "aten" else 0.5)
+    conv = torch.nn.Conv3d(2, 3, 3)
+    model = lambda v: conv(F.pad(v, (1, 1, 1, 1, 2, 0))).relu()
+    f = torch.compile(model, backend="convlower", options={"rules": ["time_sum_conv2d"]})
+    x = torch.randn(1, 2, 4, 6, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), model(x), rtol=1e-5, atol=1e-5)
+    (entry,) = convlower.report().convolutions
+    assert entry.rule == "time_sum_conv2d" and entry.how == "measurement"
+    ruled = [(site, fn) for site, rule, fn in built if rule is RULES["time_sum_conv2d"]]
+    assert len(ruled) == 2  # once timed, once spliced
+    codes = [ti.trace_aten(fn, list(site.inputs)).code for site, fn in ruled]
+    assert codes[0] == codes[1]
+    assert "constant_pad_nd" in codes[0]  # the leftover time pad is part of what was timed
