@@ -257,9 +257,11 @@ def test_cache_dir_from_env_and_setter(tmp_path, monkeypatch):
     assert selection.cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "convlower")
 
 
-def test_default_select_is_measure():
-    assert options.parse({}, env={}).select == "measure"
+def test_default_select_is_auto_and_max_autotune_measures_everything():
+    assert options.parse({}, env={}).select == "auto"
     assert options.parse({}, env={"CONVLOWER_SELECT": "heuristic"}).select == "heuristic"
+    assert options.parse({}, env={}, mode="max-autotune").select == "exhaustive"
+    assert options.parse({"select": "auto"}, env={}, mode="max-autotune").select == "auto"
 
 
 def test_heuristic_table():
@@ -290,7 +292,8 @@ def _compile_once(opts, tol=1e-5):
 
 def test_compiled_measure_records_timings_and_keeps_slow_rules_out(cache):
     selection.set_timer(stub({"aten": 1.0}, default=3.0))
-    code, (entry,) = _compile_once({"rules": ["time_fold_conv2d", "time_sum_conv2d"]})
+    code, (entry,) = _compile_once({"rules": ["time_fold_conv2d", "time_sum_conv2d"],
+                                    "select": "exhaustive"})
     assert entry["rule"] is None and "kept the original" in entry["reason"]
     assert entry["timings"] == {"aten": 1.0, "time_fold_conv2d": 3.0, "time_sum_conv2d": 3.0}
     assert entry["how"] == "measurement" and entry["decision_s"] > 0
@@ -300,7 +303,7 @@ def test_compiled_measure_records_timings_and_keeps_slow_rules_out(cache):
     convlower.reset_report()
     selection.set_timer(stub({"aten": 1.0, "time_sum_conv2d": 0.5}, default=3.0))
     code, (entry,) = _compile_once({"rules": ["time_fold_conv2d", "time_sum_conv2d"],
-                                    "select": "measure", "compute_dtype": "bfloat16"}, tol=5e-2)
+                                    "select": "exhaustive", "compute_dtype": "bfloat16"}, tol=5e-2)
     assert entry["rule"] == "time_sum_conv2d" and entry["timings"]["time_sum_conv2d"] == 0.5
     assert "stride=(2, 1, 1)" not in code
 
@@ -325,7 +328,7 @@ def test_pass_tells_measure_whether_input_is_produced_and_output_consumed(cache)
             convlower.reset_report()
             seen.clear()
             with torch.no_grad():
-                torch.compile(fn, backend="convlower")(x)
+                torch.compile(fn, backend="convlower", options={"select": "exhaustive"})(x)
             (entry,) = convlower.report().convolutions
             assert (entry["input_produced"], entry["output_consumed"]) == want
             assert seen == [("forward", *want)]

@@ -126,7 +126,7 @@ def test_measuring_compiles_count_once(cache, monkeypatch):
 
     selection.set_timer(timer, compiles=True)
     f = torch.compile(torch.nn.Conv2d(4, 8, 2, 2), backend="convlower", dynamic=False,
-                      options={"select": "measure"})
+                      options={"select": "exhaustive"})
     with torch.no_grad():
         f(torch.randn(1, 4, 8, 8))
     assert compiled and all(compiled)  # the candidates really were compiled by Inductor

@@ -27,7 +27,7 @@ CASES = {
     # Measured selection with a stub timer that makes a different candidate win at each conv
     # (or none): a model mixing every rule and the original must match eager.  Real compiled
     # timings are tested on single convs in test_selection.py (each costs seconds of compile).
-    "measure": ({"select": "measure"}, {"time_fold_conv2d", "time_unfold_conv2d",
+    "measure": ({"select": "exhaustive"}, {"time_fold_conv2d", "time_unfold_conv2d",
                                         "time_sum_conv2d"}),
 }
 

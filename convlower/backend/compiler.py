@@ -36,7 +36,7 @@ def _inductor(mode: Optional[str], inductor_options: dict):
 def convlower_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str] = None,
                       options: Optional[dict] = None):
     """A ``torch.compile`` backend (entry point ``convlower``)."""
-    opts = _options.parse(options)
+    opts = _options.parse(options, mode=mode)
     name = f"graph{next(_graph_ids)}"
     try:  # before AOTAutograd, so an eager-safe Snake's backward stays opaque too
         route_snakes(gm, opts, name)

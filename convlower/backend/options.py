@@ -15,7 +15,8 @@ from .. import torch_internals as ti
 from ..device import PLATFORMS
 from ..lowerings import RULES
 
-SELECT_MODES = ("measure", "heuristic", "always")
+SELECT_MODES = ("auto", "measure", "exhaustive", "heuristic", "always")
+AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
 SNAKE_ROUTES = ("auto", "eager", "fused")
 COMPUTE_DTYPES = (None, "bfloat16")
 FALLBACKS = ("error", "inductor")
@@ -37,7 +38,7 @@ class OptionError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Options:
     rules: tuple[str, ...]
-    select: str = "measure"  # never slower: see docs/selection.md
+    select: str = "auto"  # compile-time cheap; see docs/selection.md
     snake: str = "auto"
     platform: str = "auto"
     compute_dtype: Optional[str] = None
@@ -78,8 +79,11 @@ def _choice(key, value, allowed):
     return value
 
 
-def parse(options: Optional[dict] = None, env: Optional[dict] = None) -> Options:
-    """Validate ``options`` (+ env vars) into :class:`Options`; raise :class:`OptionError`."""
+def parse(options: Optional[dict] = None, env: Optional[dict] = None,
+          mode: Optional[str] = None) -> Options:
+    """Validate ``options`` (+ env vars) into :class:`Options`; raise :class:`OptionError`.
+    Under ``mode="max-autotune"`` the default ``select`` is "exhaustive" (measure everything),
+    as Inductor then autotunes its own kernels."""
     env = os.environ if env is None else env
     if options is not None and not isinstance(options, dict):
         raise OptionError(f"convlower options must be a dict, got {type(options).__name__}")
@@ -93,7 +97,8 @@ def parse(options: Optional[dict] = None, env: Optional[dict] = None) -> Options
     inductor = _inductor_passthrough(options)
     return Options(
         rules=_parse_rules(ours.get("rules", "all")),
-        select=_choice("select", ours.get("select", "measure"), SELECT_MODES),
+        select=_choice("select", ours.get("select", "exhaustive" if mode in AUTOTUNE_MODES
+                                          else "auto"), SELECT_MODES),
         snake=_choice("snake", ours.get("snake", "auto"), SNAKE_ROUTES),
         platform=_choice("platform", ours.get("platform", "auto"), PLATFORMS),
         compute_dtype=_choice("compute_dtype", ours.get("compute_dtype"), COMPUTE_DTYPES),

@@ -124,6 +124,11 @@ class Rule:
         ``x``, ``weight``, ``bias`` are the tensors to compute with (their sizes may be SymInts)."""
         raise NotImplementedError
 
+    def wins_by_construction(self, c: ConvCall) -> Optional[str]:
+        """Why this rule is faster on every device without timing it (e.g. one GEMM of the
+        conv's own FLOPs, reading each input once), or None: then it is screened."""
+        return None
+
     def heuristic(self, c: ConvCall, platform: str) -> tuple[bool, str]:
         """Static knowledge of where this rule wins on ``platform`` ("cpu", "cuda", "hip"):
         (use it without timing?, why).  Figures are measured ratios, see docs/selection.md."""

@@ -1,10 +1,12 @@
 """Which eligible rule (if any) lowers a convolution site.  See docs/selection.md.
 
-``measure`` (the default): time the original convolution and each candidate on the real
-device, dtype and layout, switch only for a clear win, cache the decision on disk
-(:mod:`.measure`).  ``heuristic``: each rule's own static knowledge of where it wins
-(``Rule.heuristic``), no timing.  ``always``: the first eligible rule in priority order (for
-experiments and tests).  Selection knows sites and rules, never the graph pass.
+``auto`` (the default): proof, cache, then a milliseconds eager screen; close calls keep the
+original, nothing is compiled (:mod:`.auto`).  ``measure``: the same, but close calls are
+compiled and timed.  ``exhaustive``: every eligible conv's candidates are compiled and timed
+on the real device, dtype and layout (:mod:`.measure`; ``mode="max-autotune"`` implies it).
+``heuristic``: each rule's own static knowledge (``Rule.heuristic``).  ``always``: the first
+eligible rule in priority order (tests, experiments).  Decisions are cached on disk.
+Selection knows sites and rules, never the graph pass.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from ..lowerings.site import ConvSite
 from . import ranks
 from .cache import CACHE
 from .decision import HOW, Decision
-from . import measure
+from . import auto, measure
 from .timer import set_timer
 
 __all__ = ["choose", "Decision", "HOW", "set_timer", "set_cache_dir", "cache_dir",
@@ -37,7 +39,9 @@ def _choose_here(site, candidates, select, platform, compute_dtype) -> Decision:
         return Decision(candidates[0], "forced (select=always)", "forced")
     if select == "heuristic":
         return _heuristic(site, candidates, device_platform(platform, site.call.x.device))
-    return measure.decide(site, candidates, compute_dtype)
+    if select == "exhaustive":
+        return measure.decide(site, candidates, compute_dtype)
+    return auto.decide(site, candidates, compute_dtype, measure_close=select == "measure")
 
 
 def _heuristic(site: ConvSite, candidates: Sequence[Rule], plat: str) -> Decision:

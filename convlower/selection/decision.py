@@ -7,7 +7,7 @@ from typing import Optional
 from ..lowerings.rule import Rule
 
 # How a decision was made, as the report says it.
-HOW = ("none eligible", "forced", "heuristic", "measurement", "cache")
+HOW = ("none eligible", "forced", "heuristic", "proof", "screen", "measurement", "cache")
 
 
 @dataclasses.dataclass
@@ -17,3 +17,4 @@ class Decision:
     how: str               # one of HOW
     seconds: float = 0.0   # what deciding cost (measuring); 0 for static decisions
     timings: dict = dataclasses.field(default_factory=dict)  # seconds per candidate
+    shared: str = ""       # across ranks: "" own, "rank 0" its decision (selection/ranks.py)

@@ -29,6 +29,7 @@ from ..lowerings.site import ConvSite
 from . import timer as _timer
 from .cache import CACHE, decision_key
 from .decision import Decision
+from .inputs import real_inputs
 
 MARGIN = 0.05  # a rule must be at least 5% faster than the original convolution
 BUDGET_S = float(os.environ.get("CONVLOWER_MEASURE_BUDGET_S", "3.0"))  # timing, per site
@@ -38,23 +39,6 @@ MIN_CONV_S = float(os.environ.get("CONVLOWER_MEASURE_MIN_US", "200")) * 1e-6
 COMPILE_BUDGET_S = float(os.environ.get("CONVLOWER_MEASURE_COMPILE_BUDGET_S", "60"))
 ROUNDS = 3  # candidates are timed in interleaved rounds, so a burst of load hits all of them
 METHOD = "inductor-compiled/median/every-round/v2"  # how timings are taken: part of the key
-
-
-def real_inputs(site: ConvSite, seed: int = 0) -> list[torch.Tensor]:
-    """Random tensors with the site inputs' concrete sizes, strides, dtype and device."""
-    gen = None
-    out = []
-    for t in site.inputs:
-        gen = gen or torch.Generator(device=t.device).manual_seed(seed)  # not the user's RNG
-        size = [ti.hint(s) for s in t.shape]
-        values = torch.randn(size, generator=gen, device=t.device, dtype=torch.float32).to(t.dtype)
-        try:
-            real = torch.empty_strided(size, [ti.hint(s) for s in t.stride()], device=t.device,
-                                       dtype=t.dtype)
-            out.append(real.copy_(values))
-        except RuntimeError:  # overlapping strides (an expanded tensor): keep it contiguous
-            out.append(values)
-    return out
 
 
 def compiled_step(fn: Callable, args: list, prologue: Sequence[bool], epilogue: bool,

@@ -1,0 +1,90 @@
+"""Selection that costs (almost) nothing at compile time: ``select="auto"`` and ``"measure"``.
+
+In order, the first that settles the call wins:
+
+1. **proof** — a rule that wins by construction (``Rule.wins_by_construction``);
+2. **cache** — a measured decision made earlier (``select="exhaustive"``, a warm-up, another
+   process), or an earlier screen of the same call;
+3. **screen** — eager timings of the original's and the rules' kernels (:mod:`.screen`,
+   milliseconds): a clear win is taken, a clear loss or a tiny conv keeps the original;
+4. a **close call** keeps the original under ``"auto"`` (nothing is compiled), and is
+   settled by compiled measurement (:mod:`.measure`) under ``"measure"``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+from ..lowerings.rule import Rule
+from ..lowerings.site import ConvSite
+from . import measure, screen
+from .cache import CACHE, decision_key
+from .decision import Decision
+
+SCREEN_METHOD = "eager-screen/v1"
+
+
+def decide(site: ConvSite, candidates: Sequence[Rule], compute_dtype: Optional[str],
+           measure_close: bool) -> Decision:
+    for rule in candidates:
+        why = rule.wins_by_construction(site.call)
+        if why:
+            return Decision(rule, f"proof: {why}", "proof")
+    by_name = {r.name: r for r in candidates}
+    cached, times = _cached(site, candidates, compute_dtype, by_name, measure_close)
+    if cached is not None:
+        return cached
+    start = time.perf_counter()
+    try:
+        times = times or screen.run(site, candidates, compute_dtype)
+    except Exception as e:  # never break a compile: the original is always correct
+        return Decision(None, f"screen failed, kept the original: {type(e).__name__}: {e}",
+                        "screen", time.perf_counter() - start)
+    rule, why, close = judge(times, by_name)
+    spent = time.perf_counter() - start
+    if close and measure_close:
+        d = measure.decide(site, [r for r in candidates if r.name in close], compute_dtype)
+        d.why, d.seconds = f"screen: close call ({why}); {d.why}", d.seconds + spent
+        d.timings = dict(d.timings, **{f"screen_{k}": v for k, v in times.items()})
+        return d
+    if close:
+        why += "; a close call: kept the original (select='measure' measures it)"
+    CACHE.store(decision_key(site, candidates, compute_dtype, SCREEN_METHOD),
+                {"rule": rule.name if rule else None, "why": why, "timings": times,
+                 "close": sorted(close)})
+    return Decision(rule, f"screen: {why}", "screen", spent, times)
+
+
+def _cached(site, candidates, compute_dtype, by_name, measure_close):
+    """(a cached decision, or None and the cached screen figures of a close call to settle)."""
+    for method in (measure.METHOD, SCREEN_METHOD):
+        hit = CACHE.lookup(decision_key(site, candidates, compute_dtype, method))
+        if hit is None or not (hit.get("rule") is None or hit.get("rule") in by_name):
+            continue
+        if method == SCREEN_METHOD and hit.get("close") and measure_close:
+            return None, dict(hit.get("timings", {}))  # "auto" screened it; measure it now
+        why = hit.get("why", "")
+        why = why if method == measure.METHOD else f"screen: {why}"
+        return Decision(by_name.get(hit.get("rule")), f"{why} (cached)", "cache", 0.0,
+                        dict(hit.get("timings", {}))), None
+    return None, None
+
+
+def judge(times: dict, by_name: dict) -> tuple[Optional[Rule], str, set]:
+    """(the clear winner or None, why, names of rules in a close call)."""
+    base = times["aten"]
+    if base < measure.MIN_CONV_S:
+        return None, (f"kept the original (it takes {base * 1e6:.0f} us eagerly, under the "
+                      f"{measure.MIN_CONV_S * 1e6:.0f} us worth a rewrite)"), set()
+    ratios = {n: t / base for n, t in times.items() if n in by_name}
+    if not ratios:
+        return None, "no rule ran", set()
+    best = min(ratios, key=ratios.get)
+    shown = ", ".join(f"{n} {r:.2f}x" for n, r in sorted(ratios.items(), key=lambda i: i[1]))
+    if ratios[best] <= screen.WIN:
+        return by_name[best], f"{best} takes {ratios[best]:.2f}x the original's time eagerly " \
+                              f"(a clear win: <= {screen.WIN}x)", set()
+    close = {n for n, r in ratios.items() if r < screen.LOSE}
+    if not close:
+        return None, f"kept the original (clear losses: {shown})", set()
+    return None, f"{shown} of the original's time eagerly", close

@@ -1,0 +1,108 @@
+"""The screen: a milliseconds-cheap eager estimate that settles clear calls without compiling.
+
+The conv2d / mm kernels a rule calls are the same extern kernels Inductor calls, and the
+original convolution is one extern kernel too; what Inductor adds is fusion of a rule's
+slices and copies.  So an eager run of the rule's emission costs *at least* what the compiled
+one will (its copies unfused), and an eager run of the original costs what Inductor's will,
+up to the layout Inductor picks (the original is timed in both memory formats, the faster
+counts).  Hence:
+
+* rule / original <= ``WIN`` (0.85): a clear win, even before fusion helps the rule;
+* rule / original >= ``LOSE`` (1.25): a clear loss, fusion cannot make up that much;
+* in between: a close call, settled by compiled measurement in ``select="measure"`` and kept
+  as the original in ``select="auto"``.
+
+Each figure is the median of a few eager runs (the whole screen of a conv stays within
+``BUDGET_S``).  The function timing the candidates is injectable (:func:`set_screen`).
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .. import device as _device
+from ..decompositions import emission
+from ..lowerings.rule import Rule
+from ..lowerings.site import ConvSite
+from . import timer as _timer
+from .inputs import real_inputs
+
+WIN = 0.85
+LOSE = 1.25
+BUDGET_S = float(os.environ.get("CONVLOWER_SCREEN_BUDGET_S", "0.5"))  # per site
+SAMPLES = 3
+
+# (site, candidates, compute_dtype) -> {"aten" | rule name: seconds per call}
+Screen = Callable[[ConvSite, Sequence[Rule], Optional[str]], dict]
+
+
+def eager_screen(site: ConvSite, candidates: Sequence[Rule],
+                 compute_dtype: Optional[str]) -> dict[str, float]:
+    """Eager seconds per call of the original and of each distinct emission."""
+    args = real_inputs(site)
+    fns = {"aten": _bound(emission.build(site, None), args)}
+    other = _other_layout(args) if not site.backward else None
+    if other is not None:
+        fns["aten_other_layout"] = _bound(emission.build(site, None), other)
+    seen = set()
+    for rule in candidates:
+        if rule.emission not in seen:
+            seen.add(rule.emission)
+            fns[rule.name] = _bound(emission.build(site, rule, compute_dtype), args)
+    share = BUDGET_S / len(fns)
+    times = {label: _time(fn, share) for label, fn in fns.items()}
+    if "aten_other_layout" in times:
+        times["aten"] = min(times["aten"], times.pop("aten_other_layout"))
+    return times
+
+
+def _bound(fn: Callable, args: list) -> Callable[[], object]:
+    def run():
+        out = fn(*args)
+        _device.sync(args[0].device)
+        return out
+    return run
+
+
+def _other_layout(args: list) -> Optional[list]:
+    """The activation in the other dense memory format (Inductor may pick either)."""
+    x = args[0]
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    if fmt is None:
+        return None
+    flipped = x.contiguous() if x.is_contiguous(memory_format=fmt) else x.contiguous(memory_format=fmt)
+    return [flipped] + list(args[1:])
+
+
+def _time(fn: Callable[[], object], budget_s: float) -> float:
+    fn()  # warm-up: allocations, library plans
+    samples = []
+    deadline = time.perf_counter() + budget_s
+    while len(samples) < SAMPLES and (not samples or time.perf_counter() < deadline):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return sorted(samples)[len(samples) // 2]
+
+
+class _State:
+    screen: Screen = eager_screen
+
+
+def set_screen(screen: Optional[Screen]) -> Screen:
+    """Use ``screen`` to estimate candidates (None: the eager screen); return the previous."""
+    prev, _State.screen = _State.screen, screen or eager_screen
+    return prev
+
+
+def run(site: ConvSite, candidates: Sequence[Rule], compute_dtype: Optional[str]) -> dict:
+    """The screen's figures, each checked as a measurement's are (a broken figure raises)."""
+    times = _State.screen(site, candidates, compute_dtype)
+    for label, seconds in times.items():
+        problem = _timer.plausible(seconds)
+        if problem:
+            raise ValueError(f"screen of {label}: {problem}")
+    return times

@@ -1,0 +1,137 @@
+"""select="auto" / "measure": proof, cache and an eager screen settle clear calls without
+compiling; only close calls are compiled and timed, and only under "measure"."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import convlower
+from convlower import selection, torch_internals
+from convlower.lowerings import RULES
+from convlower.lowerings.rule import ConvCall
+from convlower.lowerings.site import site_of_call
+from convlower.selection import auto, measure, screen
+
+
+def mochi_site():
+    call = ConvCall.from_args([torch.randn(1, 4, 4, 6, 6), torch.randn(8, 4, 2, 2, 2), None,
+                               (2, 2, 2), (0, 0, 0), (1, 1, 1), False, (0, 0, 0), 1])
+    return site_of_call(call)
+
+
+RULES3 = [RULES["patchify_mm"], RULES["time_fold_conv2d"], RULES["time_sum_conv2d"]]
+
+
+@pytest.fixture
+def screened(cache):
+    """Inject screen figures; records each screen call.  Restores the eager screen."""
+    calls = []
+
+    def install(times):
+        def fake(site, candidates, compute_dtype):
+            calls.append([r.name for r in candidates])
+            return dict(times)
+        screen.set_screen(fake)
+        return calls
+
+    yield install
+    screen.set_screen(None)
+
+
+@pytest.fixture
+def no_compiles(monkeypatch):
+    compiled = []
+    real = torch_internals.compile_inner
+    monkeypatch.setattr(torch_internals, "compile_inner",
+                        lambda *a: compiled.append(1) or real(*a))
+    return compiled
+
+
+def test_clear_win_is_taken_without_compiling(screened, no_compiles):
+    calls = screened({"aten": 1e-2, "patchify_mm": 2e-2, "time_fold_conv2d": 5e-3,
+                      "time_sum_conv2d": 9e-3})
+    d = auto.decide(mochi_site(), RULES3, None, measure_close=True)
+    assert d.rule is RULES["time_fold_conv2d"] and d.how == "screen" and "0.50x" in d.why
+    assert calls == [[r.name for r in RULES3]] and not no_compiles
+
+
+def test_clear_loss_and_tiny_conv_keep_the_original(screened, no_compiles):
+    screened({"aten": 1e-2, "patchify_mm": 2e-2, "time_fold_conv2d": 1.3e-2, "time_sum_conv2d": 3e-2})
+    d = auto.decide(mochi_site(), RULES3, None, measure_close=True)
+    assert d.rule is None and "clear losses" in d.why
+    selection.clear_memory()
+    selection.set_cache_dir(selection.cache_dir() + "/tiny")
+    screened({"aten": 5e-5, "time_fold_conv2d": 1e-5})  # 50 us: not worth a rewrite
+    d = auto.decide(mochi_site(), RULES3, None, measure_close=True)
+    assert d.rule is None and "worth a rewrite" in d.why and not no_compiles
+
+
+def test_close_call_kept_under_auto_and_measured_under_measure(screened, no_compiles):
+    calls = screened({"aten": 1e-2, "patchify_mm": 3e-2, "time_fold_conv2d": 0.95e-2,
+                      "time_sum_conv2d": 1.1e-2})
+    d = auto.decide(mochi_site(), RULES3, None, measure_close=False)
+    assert d.rule is None and "close call" in d.why and not no_compiles
+    timed = []
+    selection.set_timer(lambda label, fn, budget: timed.append(label) or
+                        {"aten": 1.0, "time_fold_conv2d": 0.6}.get(label, 2.0), compiles=True)
+    measure.MIN_CONV_S, old = 0.0, measure.MIN_CONV_S
+    try:
+        d = auto.decide(mochi_site(), RULES3, None, measure_close=True)
+    finally:
+        measure.MIN_CONV_S = old
+    assert d.rule is RULES["time_fold_conv2d"] and d.how == "measurement"
+    assert "close call" in d.why and d.timings["screen_aten"] == 1e-2
+    assert set(timed) == {"aten", "time_fold_conv2d", "time_sum_conv2d"}  # not the clear loser
+    assert no_compiles  # the close call was compiled
+    assert len(calls) == 1  # the auto screen was cached; "measure" did not screen again
+
+
+def test_proof_needs_no_screen_and_cache_needs_no_second_screen(screened, no_compiles):
+    calls = screened({"aten": 1e-2, "time_fold_conv2d": 5e-3})
+    call = ConvCall.from_args([torch.randn(3, 3, 2, 14, 14), torch.randn(16, 3, 2, 14, 14), None,
+                               (2, 14, 14), (0, 0, 0), (1, 1, 1), False, (0, 0, 0), 1])
+    d = auto.decide(site_of_call(call), [RULES["patch_linear"]], None, measure_close=True)
+    assert d.rule is RULES["patch_linear"] and d.how == "proof" and not calls
+    cands = [RULES["time_fold_conv2d"]]
+    first = auto.decide(mochi_site(), cands, None, measure_close=False)
+    again = auto.decide(mochi_site(), cands, None, measure_close=False)
+    assert first.how == "screen" and again.how == "cache" and again.rule is first.rule
+    assert len(calls) == 1 and not no_compiles
+
+
+def test_auto_reuses_a_measured_decision(screened, no_compiles):
+    """A warm-up or an earlier process that measured (exhaustive) leaves the better figure."""
+    calls = screened({"aten": 1e-2, "time_fold_conv2d": 5e-3})
+    selection.set_timer(lambda label, fn, budget: 1.0)  # measured: no rule wins
+    cands = [RULES["time_fold_conv2d"]]
+    assert measure.decide(mochi_site(), cands, None).how == "measurement"
+    d = auto.decide(mochi_site(), cands, None, measure_close=False)
+    assert d.how == "cache" and d.rule is None and not calls
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
+def test_broken_screen_figures_keep_the_original(screened, bad):
+    screened({"aten": 1e-2, "time_fold_conv2d": bad})
+    d = auto.decide(mochi_site(), [RULES["time_fold_conv2d"]], None, measure_close=True)
+    assert d.rule is None and "screen failed" in d.why and "timer returned" in d.why
+
+
+def test_eager_screen_times_each_emission_once(cache):
+    times = screen.eager_screen(mochi_site(), [RULES["time_fold_conv2d"],
+                                               RULES["time_unfold_conv2d"]], None)
+    assert set(times) == {"aten", "time_fold_conv2d"} and all(t > 0 for t in times.values())
+
+
+def test_a_model_compiled_with_auto_compiles_no_candidate(cache, no_compiles):
+    """Real eager screen, real model: decisions come from proof and screen, zero nested
+    compiles, and the report says how each was made and what it cost."""
+    model = torch.nn.Sequential(torch.nn.Conv3d(3, 8, (2, 4, 4), (2, 4, 4)),
+                                torch.nn.Conv3d(8, 8, (2, 3, 3), (2, 1, 1), (0, 1, 1)))
+    x = torch.randn(2, 3, 4, 16, 16, requires_grad=True)
+    out = torch.compile(model, backend="convlower")(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    convs = convlower.report().convolutions
+    assert len(convs) == 4 and not no_compiles
+    assert all(c.how in ("proof", "screen", "cache", "none eligible") for c in convs)
+    assert all(c.decision_s >= 0 for c in convs)
