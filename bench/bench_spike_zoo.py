@@ -21,9 +21,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from convlower.tools import zoo  # noqa: E402
-from convlower.tools.spike import SpikeConfig, run_spike  # noqa: E402
+from convlower.tools import zoo
+from convlower.tools.spike import SpikeConfig, run_spike
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -89,7 +88,7 @@ def write(args, argv, rows, failures, raw, start, done: bool) -> None:
         "measured side by side in one process. Compile times are the first call minus one "
         "compiled step; cold = Inductor caches off, warm = caches on and filled. Break-even = "
         "calls after which the cold compile has paid for itself (`never`: no step-time gain). "
-        "The verdict is `convlower.backend.amortize` on those numbers.",
+        "The verdict is `convlower.tools.amortize` on those numbers.",
         "",
         "Numbers from a shared 2-core CPU are noisy (the same op varies up to 2x within "
         "minutes); read the ratios, not the absolute times.",

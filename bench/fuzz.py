@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/fuzz.py [--examples 5000] [--select heuristic] [--json out.json]
 
-Uses the same generator and checker as tests/test_properties.py (hypothesis; each rule run
+Uses the generator and checker of ``convlower.tools.conv_fuzz`` (hypothesis; each rule run
 the way the graph pass runs it: proof, then the forward and backward decompositions, on real
 tensors, against a float64 eager reference).  Prints how many convolutions were tried, how
 many each rule accepted (and how many the default selection lowered), and how many mismatched.
@@ -13,17 +13,14 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
 
-import torch  # noqa: E402
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-
-import test_properties as P  # noqa: E402
-from convlower.lowerings import RULES  # noqa: E402
+from convlower.lowerings import RULES
+from convlower.tools import conv_fuzz as P
 
 
 def fuzz(examples: int = 5000, select=None, transposed_share: int = 10) -> dict:

@@ -11,19 +11,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-sys.path.insert(0, HERE)
+import torch
 
-import torch  # noqa: E402
-
-import fuzz  # noqa: E402
-import test_faults as TF  # noqa: E402
-import test_properties as P  # noqa: E402
-from convlower.lowerings import RULES  # noqa: E402
+import fuzz  # bench/fuzz.py: the script's own folder is on sys.path
+from convlower.lowerings import RULES
+from convlower.tools import reliability as R
 
 
 class _Patch:
@@ -50,7 +44,7 @@ def faults_table() -> list[str]:
     torch._inductor.config.force_disable_caches = True
     rows = ["| fault injected into `patchify_mm` | convs fell back | result = eager | report says why | warnings |",
             "|---|---|---|---|---|"]
-    for fault, (_, _, expected) in TF.FAULTS.items():
+    for fault, (_, _, expected) in R.FAULTS.items():
         patch = _Patch()
         graph_pass._warned.clear()
         seen = []
@@ -59,8 +53,8 @@ def faults_table() -> list[str]:
         logging.getLogger("convlower").addHandler(handler)
         convlower.reset_report()
         try:
-            TF.inject(patch, fault)
-            res = TF.run_with_fault(fault)
+            R.inject(patch, fault)
+            res = R.run_with_fault(fault)
             why = [r for r in res["records"] if expected in r["reason"]]
             rows.append(f"| {fault} | {len(why)} | {'yes' if res['max_error'] < 1e-5 else 'NO'} | "
                         f"{'yes' if why else 'NO'} | {sum(expected in m for m in seen)} |")
@@ -78,9 +72,9 @@ def dynamic_table() -> list[str]:
     for backend in ("inductor", "convlower"):
         for how in ("dynamic=True", "mark_dynamic"):
             # rules forced, as in the test: the figure is about the lowered forms
-            r = P.dynamic_suite_in_subprocess(backend, how, options={"select": "always"})
+            r = R.dynamic_suite_in_subprocess(backend, how, options={"select": "always"})
             if "crashed" in r:
-                rows.append(f"| {backend} | {how} | {len(P.DYNAMIC_SHAPES)} | - | - | - | - | - | "
+                rows.append(f"| {backend} | {how} | {len(R.DYNAMIC_SHAPES)} | - | - | - | - | - | "
                             f"yes (exit {r['crashed']}) |")
                 continue
             lowered = sum(r["lowered"].values())

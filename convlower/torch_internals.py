@@ -112,6 +112,11 @@ def inductor_config_keys() -> dict:
     return config.get_config_copy()
 
 
+def mark_dynamic(t: torch.Tensor, dims) -> None:
+    """Compile ``t``'s ``dims`` as dynamic sizes (Dynamo's ``mark_dynamic``)."""
+    torch._dynamo.mark_dynamic(t, dims)
+
+
 def is_dynamo_control_flow(e: BaseException) -> bool:
     """Dynamo's own exceptions (restart analysis, skip frame): not failures to contain."""
     return type(e).__module__.startswith("torch._dynamo")

@@ -11,8 +11,8 @@ import torch
 from convlower.tools import zoo
 from convlower.__main__ import main
 from convlower.tools.amortize import amortize
-from convlower.tools.spike import (SpikeConfig, SpikeError, _errors, _Runner, _Watch, recommend,
-                             resolve)
+from convlower.tools.spike import SpikeConfig, SpikeError, recommend, resolve
+from convlower.tools.spike_runner import Runner, compile_counts, errors
 
 FACTORIES = textwrap.dedent('''
     import torch
@@ -72,6 +72,10 @@ def test_spike_end_to_end(factories, tmp_path, capsys):
         assert r["cold_first_call_s"] > r["step_median_s"]  # a compile happened
         assert r["cold_compile_s"] == pytest.approx(r["cold_first_call_s"] - r["step_median_s"])
         assert (r["graph_breaks"], r["recompiles"], r["graphs"]) == (0, 0, 1)
+        # cache counts under the names of convlower.observe.stats
+        assert set(r["cache"]) == set(r["warm_cache"]) == {
+            "fx_graph_hit", "fx_graph_miss", "fx_graph_bypass",
+            "aot_autograd_hit", "aot_autograd_miss", "aot_autograd_bypass"}
         assert r["max_rel_err"] < 1e-4
         # the verdict is the one the numbers give
         again = amortize(b["eager"]["step_median_s"], r["step_median_s"], r["cold_compile_s"],
@@ -157,7 +161,7 @@ def test_default_model_is_the_zoo_default():
 
 def test_backward_step_collects_output_and_gradients():
     conv = torch.nn.Conv2d(2, 3, 2, stride=2)
-    run = _Runner(conv, (torch.randn(1, 2, 4, 4),), SpikeConfig(backward=True))
+    run = Runner(conv, (torch.randn(1, 2, 4, 4),), SpikeConfig(backward=True))
     vals = run.values("eager")
     assert [v.shape for v in vals] == [(1, 3, 2, 2), (3, 2, 2, 2), (3,)]  # output, weight, bias grads
     again = run.values("eager")  # grads are reset between steps, not accumulated
@@ -165,30 +169,30 @@ def test_backward_step_collects_output_and_gradients():
 
 
 def test_backward_without_parameters_differentiates_the_inputs():
-    run = _Runner(torch.nn.ReLU(), (torch.randn(5),), SpikeConfig(backward=True))
+    run = Runner(torch.nn.ReLU(), (torch.randn(5),), SpikeConfig(backward=True))
     assert len(run.values("eager")) == 2  # output and the input's gradient
 
 
 def test_errors_measure_the_worst_tensor():
     ref = [torch.tensor([1.0, -4.0]), torch.tensor([10.0])]
-    assert _errors([torch.tensor([1.0, -4.5]), torch.tensor([10.0])], ref) == (0.5, 0.125)
-    assert _errors([torch.tensor([1.0])], ref) == (math.inf, math.inf)
-    assert _errors([torch.zeros(3)], [torch.zeros(2)]) == (math.inf, math.inf)
+    assert errors([torch.tensor([1.0, -4.5]), torch.tensor([10.0])], ref) == (0.5, 0.125)
+    assert errors([torch.tensor([1.0])], ref) == (math.inf, math.inf)
+    assert errors([torch.zeros(3)], [torch.zeros(2)]) == (math.inf, math.inf)
 
 
-def test_watch_counts_graph_breaks_and_recompiles():
+def test_compile_counts_count_graph_breaks_and_recompiles():
     def f(x):
         x = x + 1
         torch._dynamo.graph_break()
         return x * 2
 
     torch._dynamo.reset()
-    with _Watch() as w:
+    with compile_counts() as w:
         g = torch.compile(f, backend="eager", dynamic=False)
         g(torch.ones(2))
         g(torch.ones(2, dtype=torch.float64))  # a dtype guard fails: recompile
-    assert w.graph_breaks >= 1 and w.graph_break_reasons
-    assert w.recompiles >= 1 and w.graphs >= 2
+    assert w["graph_breaks"] >= 1 and w["graph_break_reasons"]
+    assert w["recompiles"] >= 1 and w["graphs"] >= 2 and w["frames_compiled"] >= 2
     torch._dynamo.reset()
 
 
@@ -220,7 +224,7 @@ def test_spike_error_on_bad_settings():
 
 def test_short_reason_names_only_whole_rejections():
     from convlower.lowerings import RULES
-    from convlower.tools.spike import _short_reason
+    from convlower.tools.spike_report import _short_reason
 
     every = "; ".join(f"{name}: groups == 1 is false" for name in RULES)
     assert _short_reason(every).startswith("no rule applies")

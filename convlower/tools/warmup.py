@@ -234,7 +234,7 @@ def _keep_grads(model, inputs):
 def _mark_dynamic(inputs: tuple, dynamic: dict) -> None:
     for index, dims in dynamic.items():
         dims = [dims] if isinstance(dims, int) else list(dims)
-        torch._dynamo.mark_dynamic(inputs[index], dims)
+        ti.mark_dynamic(inputs[index], dims)
 
 
 def _cache_state(counts: dict) -> str:
@@ -254,7 +254,7 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
 
     ``example_inputs``: a tensor or a tuple of positional inputs.  ``dynamic``: passed to
     ``torch.compile`` when a bool; a dict ``{input index: dim or dims}`` marks those dims of
-    the example inputs dynamic (``torch._dynamo.mark_dynamic``) so other sizes later do not
+    the example inputs dynamic (Dynamo's ``mark_dynamic``) so other sizes later do not
     recompile.  ``iters``: timed steps, eager and compiled, for the verdict (0: no timing, no
     verdict).  ``backward``: each step also runs a backward (of the outputs' sum); gradients
     the warm-up produced are discarded.  Run it in the grad mode you will run the model in
@@ -272,39 +272,50 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
         _mark_dynamic(inputs, dynamic)
     compiled = torch.compile(model, backend="convlower", dynamic=compile_dynamic,
                              options=dict(options) if options else None)
-
     with _keep_grads(model, inputs):
         eager = []
         if iters > 0:
             _step(model, inputs, backward)  # untimed: first-call allocations and library plans
             eager = _timed(model, inputs, backward, iters)
-        before = ti.counters()
-        with _stats.window() as w:
-            start = time.perf_counter()
-            try:
-                _step(compiled, inputs, backward)
-            except Exception as e:
-                if cache_dir is None:
-                    raise
-                _fresh_inductor_dir(cache_dir, e, warns)  # a corrupt entry: start it over
-                _step(compiled, inputs, backward)
-            first = time.perf_counter() - start
-            steps = _timed(compiled, inputs, backward, iters)
-        counts = _stats.cache_counts(before, ti.counters())
-
+        first, steps, counts, records = _first_compiled(compiled, inputs, backward, iters,
+                                                        cache_dir, warns)
     if cache_dir is not None:
         _save_artifacts(os.path.join(cache_dir, ARTIFACTS), warns)
+    result = _result(first, steps, eager, counts, records, cache_dir, warns, amortize_kw)
+    log.info("%s", str(result).splitlines()[0])
+    ti.trace_artifact("convlower_warmup", result.to_dict())
+    return compiled, result
+
+
+def _first_compiled(compiled, inputs, backward: bool, iters: int, cache_dir: Optional[str],
+                    warns: _Warnings) -> tuple[float, list, dict, list]:
+    """The first compiled call (the compile), ``iters`` timed steps, the cache counts and
+    the compile records of both."""
+    before = ti.counters()
+    with _stats.window() as w:
+        start = time.perf_counter()
+        try:
+            _step(compiled, inputs, backward)
+        except Exception as e:
+            if cache_dir is None:
+                raise
+            _fresh_inductor_dir(cache_dir, e, warns)  # a corrupt entry: start it over
+            _step(compiled, inputs, backward)
+        first = time.perf_counter() - start
+        steps = _timed(compiled, inputs, backward, iters)
+    return first, steps, _stats.cache_counts(before, ti.counters()), w.records
+
+
+def _result(first: float, steps: list, eager: list, counts: dict, records: list,
+            cache_dir: Optional[str], warns: _Warnings, amortize_kw: dict) -> WarmupResult:
     compile_s = max(first - (min(steps) if steps else 0.0), 0.0)
     verdict = None
     if steps and eager:
         spread = max(steps) - min(steps)
         verdict = amortize(_median(eager), _median(steps), compile_s, spread_s=spread, **amortize_kw)
     state = _cache_state(counts)
-    result = WarmupResult(
+    return WarmupResult(
         compile_s=compile_s, first_step_s=first, cache=state, warm=state == "warm",
         cache_counts=counts, eager_steps_s=eager, compiled_steps_s=steps,
-        statistics=_stats.totals(w.records), compiles=w.records, amortization=verdict,
+        statistics=_stats.totals(records), compiles=records, amortization=verdict,
         cache_dir=cache_dir, warnings=list(warns))
-    log.info("%s", str(result).splitlines()[0])
-    ti.trace_artifact("convlower_warmup", result.to_dict())
-    return compiled, result
