@@ -1,0 +1,201 @@
+"""Compile cost against Inductor, in fresh processes with empty caches, and the step time kept.
+
+For each model (zoo entries, fp32 and bf16; a Wan VAE encoder trained forward+backward; one
+recompile under dynamic shapes) three fresh processes run, each with an empty Inductor cache
+directory:
+
+* ``inductor``  - Inductor's cold compile;
+* ``cold``      - convlower's cold compile with an empty decision cache;
+* ``warm``      - convlower's compile with the decisions the cold run left (Inductor still
+  cold), then the steady-state step of convlower and Inductor, interleaved in that process.
+
+Compile time is the first call minus one steady step.  Ratios: cold/Inductor and warm/Inductor
+compile time (goal <= 1.15), and Inductor step / convlower step (> 1: convlower faster).
+
+    .venv/bin/python bench/bench_compile_cost.py                       # every zoo model, small
+    .venv/bin/python bench/bench_compile_cost.py --models wan-vae --dtypes float32 --select measure
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.abspath(__file__)
+EXTRA = ("wan-vae-encoder-train", "wan-vae-dynamic")
+
+
+# -- one fresh process ---------------------------------------------------------------------------
+def _model(name: str, size: str, dtype):
+    import torch
+    from convlower.tools import zoo
+
+    if name in EXTRA:
+        from diffusers import AutoencoderKLWan
+
+        cfg = dict(zoo.ZOO["wan-vae"].configs[size])
+        latent = cfg.pop("latent")
+        torch.manual_seed(0)
+        vae = AutoencoderKLWan(**cfg).to(dtype)
+        frames = 1 + 4 * (latent[2] - 1)
+        x = torch.randn(1, 3, frames, latent[3] * 8, latent[4] * 8, dtype=dtype)
+        return (lambda v: vae.encode(v).latent_dist.mode()), (x,), vae
+    model, inputs = zoo.build(name, size)
+    model = model.to(dtype)
+    inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
+    return model, inputs, model
+
+
+def _step(fn, inputs, backward: bool, params) -> None:
+    import torch
+
+    if not backward:
+        with torch.no_grad():
+            fn(*inputs)
+        return
+    for p in params:
+        p.grad = None
+    fn(*inputs).float().sum().backward()
+
+
+def _first_and_steady(fn, inputs, backward, params, steps=3):
+    t0 = time.perf_counter()
+    _step(fn, inputs, backward, params)
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        _step(fn, inputs, backward, params)
+        times.append(time.perf_counter() - t0)
+    return first, min(times)
+
+
+def worker(args) -> dict:
+    import torch
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    fn, inputs, module = _model(args.model, args.size, dtype)
+    backward = args.model == "wan-vae-encoder-train"
+    params = [p for p in module.parameters()] if backward else []
+    for p in module.parameters():
+        p.requires_grad_(backward)
+    backend = "inductor" if args.run == "inductor" else "convlower"
+    opts = {"options": {"select": args.select}} if backend == "convlower" else {}
+    compiled = torch.compile(fn, backend=backend, **opts)
+    first, step = _first_and_steady(compiled, inputs, backward, params)
+    out = {"compile_s": max(first - step, 0.0)}
+    if args.model == "wan-vae-dynamic":  # a second frame count: the recompile's cost
+        x = inputs[0]
+        longer = (torch.randn(*x.shape[:2], x.shape[2] + 4, *x.shape[3:], dtype=dtype),)
+        first, step = _first_and_steady(compiled, longer, backward, params)
+        out["compile_s"] = max(first - step, 0.0)
+    if args.run == "warm":
+        out.update(_steady_ratio(fn, compiled, inputs, backward, params))
+    if backend == "convlower":
+        import convlower
+
+        rep = convlower.report()
+        out["lowered"] = len(rep.lowered())
+        out["how"] = sorted({c.how for c in rep.convolutions})
+        out["decision_s"] = sum(c.decision_s for c in rep.convolutions)
+    return out
+
+
+def _steady_ratio(fn, compiled, inputs, backward, params, rounds=7) -> dict:
+    import torch
+
+    inductor = torch.compile(fn, backend="inductor")
+    _step(inductor, inputs, backward, params)
+    times = {"inductor": [], "convlower": []}
+    for r in range(rounds):  # interleaved, alternating order
+        for name in (("inductor", "convlower") if r % 2 else ("convlower", "inductor")):
+            f = inductor if name == "inductor" else compiled
+            t0 = time.perf_counter()
+            _step(f, inputs, backward, params)
+            times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"step_ratio": med["inductor"] / med["convlower"]}
+
+
+# -- the driver ----------------------------------------------------------------------------------
+def run_fresh(model, dtype, size, run, decisions, select, timeout) -> dict:
+    with tempfile.TemporaryDirectory() as inductor_cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_cache,
+                   CONVLOWER_CACHE_DIR=decisions)
+        cmd = [sys.executable, HERE, "--worker", "--model", model, "--dtype", dtype,
+               "--size", size, "--run", run, "--select", select]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        return {"error": (p.stderr.strip().splitlines() or ["?"])[-1][:200]}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def row(model, dtype, size, select, timeout) -> dict:
+    with tempfile.TemporaryDirectory() as decisions:
+        res = {r: run_fresh(model, dtype, size, r, decisions, select, timeout)
+               for r in ("inductor", "cold", "warm")}
+    out = {"model": model, "dtype": dtype, **{f"{r}_s": res[r].get("compile_s") for r in res}}
+    errors = [f"{r}: {res[r]['error']}" for r in res if "error" in res[r]]
+    if errors:
+        return dict(out, error="; ".join(errors))
+    ind = res["inductor"]["compile_s"]
+    return dict(out, cold_ratio=res["cold"]["compile_s"] / ind,
+                warm_ratio=res["warm"]["compile_s"] / ind, step_ratio=res["warm"]["step_ratio"],
+                lowered=res["cold"]["lowered"], how="/".join(res["cold"]["how"]),
+                decision_s=res["cold"]["decision_s"])
+
+
+def table(rows) -> str:
+    head = ("| model | dtype | Inductor cold s | convlower cold s | warm decisions s | cold/ind "
+            "| warm/ind | step ind/cl | convs lowered | decided by | deciding s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['dtype']} | error: {r['error']} |")
+            continue
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['inductor_s']:.2f} | {r['cold_s']:.2f} "
+                     f"| {r['warm_s']:.2f} | {r['cold_ratio']:.2f} | {r['warm_ratio']:.2f} "
+                     f"| {r['step_ratio']:.2f} | {r['lowered']} | {r['how']} "
+                     f"| {r['decision_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--run", default="inductor", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default="")
+    ap.add_argument("--models", default="", help="comma-separated (default: every zoo model + "
+                                                  + ", ".join(EXTRA) + ")")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--size", default="small", choices=("tiny", "small"))
+    ap.add_argument("--select", default="auto")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per process")
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    from convlower.tools import zoo
+
+    models = args.models.split(",") if args.models else list(zoo.ZOO) + list(EXTRA)
+    rows = []
+    for model in models:
+        for dtype in args.dtypes.split(","):
+            if model in EXTRA and dtype != "float32":
+                continue  # the training and recompile rows: fp32 only
+            print(f"[bench] {model} {dtype} ...", file=sys.stderr, flush=True)
+            rows.append(row(model, dtype, args.size, args.select, args.timeout))
+            print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+    print(f"select={args.select}, size={args.size}, fresh processes, empty caches")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
