@@ -28,6 +28,15 @@ def _fmt_table(rows: list[list[str]], head: list[str]) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
+def _decided(c) -> str:
+    """The rule or why none, with how the decision was made and what deciding cost."""
+    what = c.rule or c.reason
+    if not c.how:
+        return what
+    cost = f", {c.decision_s:.2f} s" if c.decision_s >= 0.005 else ""
+    return f"{what} [{c.how}{cost}]"
+
+
 class Report:
     def __init__(self, data: dict[str, list]):
         self._data = data
@@ -59,7 +68,7 @@ class Report:
                 rows.append([c.graph, c.phase, c.node, "x".join(call["input"]),
                              "x".join(call["weight"][2:]),
                              ",".join(map(str, call["stride"])), ",".join(map(str, call["padding"])),
-                             call["dtype"], c.rule or c.reason, "; ".join(c.guards) or "-"])
+                             call["dtype"], _decided(c), "; ".join(c.guards) or "-"])
             parts.append("convolutions:\n" + _fmt_table(
                 rows, ["graph", "phase", "node", "input", "kernel", "stride", "pad", "dtype",
                        "rule / why not", "guards"]))
