@@ -121,6 +121,7 @@ class ConvLowerPass(ti.CustomGraphPass):
     @staticmethod
     def _note(rec: ConvRecord, decision: Decision, verdicts: list[Verdict]) -> None:
         rec.timings, rec.how, rec.decision_s = decision.timings, decision.how, decision.seconds
+        rec.shared = decision.shared  # how the decision was shared across ranks
         rejected = "; ".join(f"{v.rule}: {v.rejected}" for v in verdicts if not v.eligible)
         eligible = any(v.eligible for v in verdicts)
         rec.reason = decision.why if decision.rule or eligible or not rejected else rejected

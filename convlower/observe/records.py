@@ -53,6 +53,7 @@ class ConvRecord(_Record):
     input_produced: bool = True     # input made by an op of the graph (not a graph input)
     output_consumed: bool = True    # forward output read by an op of the graph
     pad_folded: Optional[list] = None    # the constant_pad_nd folded into the conv's padding
+    shared: str = ""                # across ranks: "" own, "rank N" whose (selection/ranks.py)
 
 
 @dataclasses.dataclass

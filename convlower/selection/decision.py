@@ -17,4 +17,4 @@ class Decision:
     how: str               # one of HOW
     seconds: float = 0.0   # what deciding cost (measuring); 0 for static decisions
     timings: dict = dataclasses.field(default_factory=dict)  # seconds per candidate
-    shared: str = ""       # across ranks: "" own, "rank 0" its decision (selection/ranks.py)
+    shared: str = ""       # across ranks: "" own, "rank N" whose decision (selection/ranks.py)
