@@ -15,9 +15,11 @@ traceback, and its tests fail with it.  ``tests/test_ddp.py`` (DDP) starts its o
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import gc
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -105,7 +107,9 @@ def run_group(out_dir: str, world: int = 2, timeout_s: float = GROUP_TIMEOUT_S) 
 @functools.lru_cache(maxsize=None)
 def group() -> dict:
     """The group's results, computed once per test session (whichever test asks first)."""
-    return run_group(tempfile.mkdtemp(prefix="convlower-group-"))
+    out_dir = tempfile.mkdtemp(prefix="convlower-group-")
+    atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
+    return run_group(out_dir)
 
 
 def results(part: str) -> list[dict]:
