@@ -7,7 +7,6 @@ generated code, and dynamic frame counts compiling once.
 """
 from __future__ import annotations
 
-import copy
 import re
 
 import pytest
@@ -19,9 +18,9 @@ import convlower
 from convlower.lowerings import RULES
 from convlower.lowerings.proof import check
 from convlower.lowerings.rule import ConvCall
+from helpers import assert_close, compare_with_eager, has_conv, with_layout
 
 RULE_NAMES = ["time_fold_conv2d", "time_unfold_conv2d", "time_sum_conv2d"]
-TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
 
 # (kT, sT, dT, pT), spatial (stride, padding, dilation), groups, bias, (N, C, T), out channels
 CASES = [
@@ -47,11 +46,7 @@ def _case_id(case):
 def _make(case, dtype, layout, seed=0):
     (kt, st, dt, pt), (ss, sp, sd), g, has_bias, (n, c, t), o = case
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, c, t, 7, 6, generator=gen)
-    if layout == "channels_last":
-        x = x.to(memory_format=torch.channels_last_3d)
-    elif layout == "strided":  # a non-contiguous view: every other column of a wider tensor
-        x = torch.randn(n, c, t, 7, 12, generator=gen)[..., ::2]
+    x = with_layout(torch.randn(n, c, t, 7, 6, generator=gen), layout)
     w = torch.randn(o, c // g, kt, 3, 2, generator=gen) / (c // g * kt * 6) ** 0.5
     b = torch.randn(o, generator=gen) if has_bias else None
     cast = lambda v: None if v is None else v.to(dtype).requires_grad_()
@@ -78,7 +73,7 @@ def _eligible(name, case):
 def test_emission_matches_conv3d(name, case):
     rule = RULES[name]
     for dtype, layout in [(torch.float32, "contiguous"), (torch.float32, "channels_last"),
-                          (torch.float32, "strided"), (torch.bfloat16, "contiguous")]:
+                          (torch.float32, "noncontig"), (torch.bfloat16, "contiguous")]:
         x, w, b, p = _make(case, dtype, layout)
         call = ConvCall.from_args([x, w, b, p["stride"], p["padding"], p["dilation"], False,
                                    (0, 0, 0), p["groups"]])
@@ -90,9 +85,9 @@ def test_emission_matches_conv3d(name, case):
         ref = F.conv3d(x, w, b, **p)
         out = rule.emit(call, x, w, b)
         assert out.shape == ref.shape and out.dtype == ref.dtype
-        torch.testing.assert_close(out, ref, **TOL[dtype])
+        assert_close(out, ref)
         for got, want in zip(_grads(out, [x, w, b]), _grads(ref, [x, w, b])):
-            torch.testing.assert_close(got, want, **TOL[dtype])
+            assert_close(got, want)
 
 
 def test_time_sum_accumulates_bf16_in_fp32():
@@ -132,10 +127,6 @@ def _no_3d_conv(code: str) -> bool:
     return not any(three.search(l) for l in lines)
 
 
-def _has_conv(code: str) -> bool:
-    return any("convolution" in l for l in code.splitlines() if not l.lstrip().startswith("#"))
-
-
 COMPILED = {
     # rule: (module, input, dtype, layout)
     "time_fold_conv2d": (lambda: torch.nn.Conv3d(4, 6, (2, 3, 3), (2, 1, 1), (0, 1, 1), groups=2),
@@ -152,27 +143,11 @@ def test_compiled_training_lowers_forward_and_backward(name):
     make, shape, dtype, layout = COMPILED[name]
     torch.manual_seed(0)
     m = make().to(dtype)
-    mc = copy.deepcopy(m)
-    x = torch.randn(shape, dtype=dtype)
-    if layout == "channels_last":
-        x = x.to(memory_format=torch.channels_last_3d)
-    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
-    f = torch.compile(mc, backend="convlower", options={"rules": [name], "select": "always"})
-
-    def step(mod, inp):
-        out = mod(inp)
-        out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(dtype))
-        return out
-
-    ref = step(m, xe)
-    out, codes = run_and_get_code(step, f, xc)
-    torch.testing.assert_close(out, ref, **TOL[dtype])
-    torch.testing.assert_close(xc.grad, xe.grad, **TOL[dtype])
-    for (k, pe), pc in zip(m.named_parameters(), mc.parameters()):
-        torch.testing.assert_close(pc.grad, pe.grad, **TOL[dtype], msg=lambda s: f"{k}: {s}")
+    x = with_layout(torch.randn(shape, dtype=dtype), layout)
+    codes = compare_with_eager(m, x, options={"rules": [name], "select": "always"})
     entries = convlower.report().convolutions
     assert {e["phase"] for e in entries if e["rule"] == name} == {"forward", "backward"}, entries
-    assert len(codes) == 2 and all(_has_conv(c) for c in codes)
+    assert len(codes) == 2 and all(has_conv(c) for c in codes)
     assert all(_no_3d_conv(c) for c in codes)
 
 
@@ -194,7 +169,7 @@ def test_dynamic_frame_count_compiles_once(name):
         for t in (5, 8, 11):
             x = torch.randn(1, 3, t, 6, 6)
             torch._dynamo.mark_dynamic(x, 2)
-            torch.testing.assert_close(f(x), conv(x), **TOL[torch.float32])
+            assert_close(f(x), conv(x))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     entries = convlower.report().convolutions
     # The proof needs no size fact (no guard from the rule); the emission's views of the
@@ -217,6 +192,6 @@ def test_automatic_dynamic_after_shape_changes(name):
             conv = torch.nn.Conv3d(shape[1], shape[1], 3).eval()
             x = torch.randn(shape)
             out = torch.compile(conv, backend="convlower", options=opts)(x)
-            torch.testing.assert_close(out, conv(x), **TOL[torch.float32])
+            assert_close(out, conv(x))
     last = convlower.report().convolutions[-1]
     assert last["rule"] == name and any(not s.isdigit() for s in last["call"]["input"])

@@ -3,19 +3,9 @@ import pytest
 import torch
 
 import convlower
-from helpers import compare_with_eager, has_conv
+from helpers import LAYOUTS, compare_with_eager, has_conv, with_layout
 
 CONV = {1: torch.nn.Conv1d, 2: torch.nn.Conv2d, 3: torch.nn.Conv3d}
-
-
-def layout(x, kind):
-    if kind == "channels_last":
-        return x.contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d) \
-            if x.dim() in (4, 5) else x
-    if kind == "noncontig":  # a strided view: every other element of the last dim
-        big = torch.cat([x, x], dim=-1)
-        return big[..., ::2]
-    return x
 
 
 def rules_used():
@@ -38,26 +28,26 @@ PATCH_LINEAR = [
 
 
 @pytest.mark.parametrize("case", PATCHIFY, ids=lambda c: f"{c[0]}d-k{c[3]}")
-@pytest.mark.parametrize("kind", ["contiguous", "channels_last", "noncontig"])
+@pytest.mark.parametrize("kind", LAYOUTS)
 @pytest.mark.parametrize("bias", [True, False])
 def test_patchify_mm_matches_eager(case, kind, bias):
     nd, cin, cout, k, s, p, size = case
     torch.manual_seed(0)
     m = CONV[nd](cin, cout, k, stride=s, padding=p, bias=bias)
-    x = layout(torch.randn(2, cin, *size), kind)
+    x = with_layout(torch.randn(2, cin, *size), kind)
     code = compare_with_eager(m, x)
     assert not has_conv(code)
     assert rules_used() == {("forward", "patchify_mm"), ("backward", "patchify_mm")}
 
 
 @pytest.mark.parametrize("case", PATCH_LINEAR, ids=lambda c: f"{c[0]}d-k{c[3]}-p{c[5]}")
-@pytest.mark.parametrize("kind", ["contiguous", "channels_last", "noncontig"])
+@pytest.mark.parametrize("kind", LAYOUTS)
 @pytest.mark.parametrize("bias", [True, False])
 def test_patch_linear_matches_eager(case, kind, bias):
     nd, cin, cout, k, s, p, size = case
     torch.manual_seed(0)
     m = CONV[nd](cin, cout, k, stride=s, padding=p, bias=bias)
-    x = layout(torch.randn(3, cin, *size), kind)
+    x = with_layout(torch.randn(3, cin, *size), kind)
     code = compare_with_eager(m, x)
     assert not has_conv(code)
     assert rules_used() == {("forward", "patch_linear"), ("backward", "patch_linear")}
