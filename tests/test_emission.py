@@ -55,7 +55,8 @@ def test_the_function_timed_is_the_function_spliced(cache, monkeypatch):
     selection.set_timer(lambda label, fn, budget: 1.0 if label == "aten" else 0.5)
     conv = torch.nn.Conv3d(2, 3, 3)
     model = lambda v: conv(F.pad(v, (1, 1, 1, 1, 2, 0))).relu()
-    f = torch.compile(model, backend="convlower", options={"rules": ["time_sum_conv2d"]})
+    f = torch.compile(model, backend="convlower",
+                      options={"rules": ["time_sum_conv2d"], "select": "exhaustive"})
     x = torch.randn(1, 2, 4, 6, 6)
     with torch.no_grad():
         torch.testing.assert_close(f(x), model(x), rtol=1e-5, atol=1e-5)

@@ -40,5 +40,15 @@ def site_of(node: torch.fx.Node, graph_name: str) -> ConvSite:
                     output_consumed=all(u.op != "output" for u in node.users))
 
 
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+          torch.ops.aten.expand.default, torch.ops.aten.permute.default,
+          torch.ops.aten.slice.Tensor, torch.ops.aten.select.int, torch.ops.aten.squeeze.dim,
+          torch.ops.aten.unsqueeze.default, torch.ops.aten._unsafe_view.default}
+
+
 def _produced(value) -> bool:
+    """Made by an op of this graph (its layout is Inductor's to choose and a copy of it can fuse
+    into that op), rather than a graph input or a view of one (fixed layout)."""
+    while isinstance(value, torch.fx.Node) and value.target in _VIEWS:
+        value = value.args[0]
     return not (isinstance(value, torch.fx.Node) and value.op == "placeholder")

@@ -21,6 +21,7 @@ import sympy
 import torch
 
 from .. import torch_internals as ti
+from ..lowerings.dense import opaque_copies
 from ..lowerings.proof import hint_holds
 from ..lowerings.rule import Rule, sym
 from ..lowerings.site import ConvSite
@@ -40,7 +41,17 @@ def build(site: ConvSite, rule: Optional[Rule], compute_dtype: Optional[str] = N
         fn = conv_decomp.convolution_backward(rule, site.call, site.output_mask, dtype)
     else:
         fn = _forward(site, conv_decomp.convolution(rule, site.call, dtype))
-    return with_layout_of(fn, site.output)
+    # Copies of a graph input (backward: the saved activation) cannot fuse into a producer.
+    fixed_input = site.backward or not site.input_produced
+    return with_layout_of(_copies(fn, fixed_input), site.output,
+                          opaque=not site.output_consumed)
+
+
+def _copies(fn: Callable, opaque: bool) -> Callable:
+    def wrapped(*args):
+        with opaque_copies(opaque):
+            return fn(*args)
+    return wrapped
 
 
 def _forward(site: ConvSite, conv: Callable) -> Callable:
@@ -101,8 +112,10 @@ def same_layout(a, b, shape_env, b_format=None) -> bool:
     return ti.memory_format_of(a) == fmt and a.is_contiguous(memory_format=fmt)
 
 
-def with_layout_of(fn: Callable, old) -> Callable:
-    """Wrap ``fn`` so each output has the strides of the value it replaces (``old``)."""
+def with_layout_of(fn: Callable, old, opaque: bool = False) -> Callable:
+    """Wrap ``fn`` so each output has the strides of the value it replaces (``old``).  With
+    ``opaque`` (no op of the graph reads the output, so no consumer can fuse the copy) a
+    layout copy is ATen's, not a generated kernel."""
     olds = old if isinstance(old, (tuple, list)) else (old,)
     # Decided before tracing: ``old``'s symbolic strides are not inputs of the traced
     # function, so SymInt arithmetic on them inside the tracer fails ("not tracked").
@@ -115,8 +128,14 @@ def with_layout_of(fn: Callable, old) -> Callable:
         for o, v, fmt in zip(outs, olds, formats):
             if o is not None and v is not None and \
                     not same_layout(o, v, ti.shape_env_of([o, v]), fmt):
-                o = o.clone(memory_format=fmt)
+                o = _layout_copy(o, fmt, opaque)
             fixed.append(o)
         return tuple(fixed) if isinstance(out, tuple) else fixed[0]
 
     return wrapped
+
+
+def _layout_copy(o: torch.Tensor, fmt, opaque: bool) -> torch.Tensor:
+    if opaque and fmt == torch.contiguous_format:
+        return torch.ops.convlower.dense(o)  # a copy even when only size-1 strides differ
+    return o.clone(memory_format=fmt)

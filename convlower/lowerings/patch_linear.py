@@ -17,6 +17,7 @@ from __future__ import annotations
 import sympy
 import torch
 
+from .dense import dense
 from .rule import Condition, ConvCall, Rule, common_conditions
 
 
@@ -40,9 +41,9 @@ class PatchLinear(Rule):
         window = tuple(slice(p, k - p) for k, p in zip(c.kernel, c.padding))
         w = weight[(slice(None), slice(None)) + window]
         flat_w = w.reshape(out_ch, -1)
-        # An explicit contiguous copy, not reshape: reshape picks view-or-copy from the strides
-        # seen while tracing, and Inductor may lay an intermediate input out differently.
-        flat_x = x.clone(memory_format=torch.contiguous_format).view(n, flat_w.shape[1])
+        # An explicit dense copy, not reshape: reshape picks view-or-copy from the strides seen
+        # while tracing, and Inductor may lay an intermediate input out differently.
+        flat_x = dense(x).view(n, flat_w.shape[1])
         out = torch.addmm(bias, flat_x, flat_w.t()) if bias is not None else flat_x @ flat_w.t()
         return out.view((n, out_ch) + (1,) * c.ndim)
 

@@ -1,0 +1,66 @@
+"""Dense copies inside an emission: fusable when a producer can take them, opaque otherwise.
+
+A rule gathers patches or frames into a dense buffer for its GEMM / conv2d.  When the conv's
+input is made by an op of the graph, Inductor fuses that copy into the producer's kernel, so a
+``clone`` costs nothing extra.  When the input is a graph input (a model input, a saved
+activation) nothing can fuse it: Inductor would generate a standalone copy kernel, build it
+with the C++ or Triton toolchain at compile time (seconds, cold) and run what ATen's copy
+does anyway.  There the copy is the opaque op ``convlower::dense`` instead (no generated code,
+no compile time), or no copy at all when the tensor is already dense.  The emission builder
+says which case a site is (:func:`opaque_copies`).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+
+_OPAQUE = contextvars.ContextVar("convlower_opaque_copies", default=False)
+
+
+@contextlib.contextmanager
+def opaque_copies(on: bool):
+    token = _OPAQUE.set(on)
+    try:
+        yield
+    finally:
+        _OPAQUE.reset(token)
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the contiguous layout: a fusable copy, an opaque copy, or ``t`` itself."""
+    if not _OPAQUE.get():
+        return t.clone(memory_format=torch.contiguous_format)
+    if _static_contiguous(t):
+        return t
+    return torch.ops.convlower.dense(t)
+
+
+def _static_contiguous(t: torch.Tensor) -> bool:
+    """Contiguous with every size and stride a plain int (no guard needed to know it)."""
+    if not all(isinstance(v, int) for v in (*t.shape, *t.stride())):
+        return False
+    expected = 1
+    for size, stride in reversed(list(zip(t.shape, t.stride()))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+@torch.library.custom_op("convlower::dense", mutates_args=())
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@_dense.register_fake
+def _(x):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _backward(ctx, grad):
+    return grad
+
+
+_dense.register_autograd(_backward)
