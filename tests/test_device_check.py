@@ -1,0 +1,192 @@
+"""bench/device_check.py stays alive between GPU loans: its timing logic with fake device
+clocks (timings <= 0 rejected, warm-up, interleaved rounds, medians), its table, and the
+whole ``--device cpu --quick`` run in a subprocess (the same code paths as on a GPU)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from convlower.tools import device_timing as dt
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "bench", "device_check.py")
+
+
+def load_device_check():
+    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class FakeClock:
+    """A device clock that reports given seconds per call and logs what it timed."""
+
+    def __init__(self, per_call: dict, broken: dict | None = None):
+        self.per_call, self.broken, self.log = per_call, broken or {}, []
+
+    def __call__(self, fn, reps):
+        for _ in range(reps):
+            name = fn()
+        self.log.append((name, reps))
+        n = sum(1 for k, _ in self.log if k == name)
+        if name in self.broken and n >= self.broken[name][0]:
+            return self.broken[name][1]
+        return self.per_call[name] * reps
+
+
+def variants(*names):
+    calls = {n: 0 for n in names}
+
+    def make(n):
+        def fn():
+            calls[n] += 1
+            return n
+        return fn
+
+    return {n: make(n) for n in names}, calls
+
+
+# ------------------------------------------------------------------------------ timing logic
+def test_medians_samples_and_reps():
+    fns, calls = variants("a", "b")
+    clock = FakeClock({"a": 0.001, "b": 0.004})
+    got = dt.time_interleaved(fns, clock=clock, rounds=5, warmup=2, min_sample_s=0.01)
+    assert got["a"].median_s == pytest.approx(0.001) and got["a"].reps == 10
+    assert got["b"].median_s == pytest.approx(0.004) and got["b"].reps == 3
+    assert len(got["a"].samples) == 5 and got["a"].ok and got["a"].rejected is None
+    # warm-up calls come before any timing: 2 warm-up + 1 calibration + 5 rounds x reps
+    assert calls["a"] == 2 + 1 + 5 * 10
+
+
+def test_rounds_are_interleaved_and_rotated():
+    fns, _ = variants("a", "b", "c")
+    clock = FakeClock({"a": 1e-3, "b": 1e-3, "c": 1e-3})
+    dt.time_interleaved(fns, clock=clock, rounds=3, warmup=1, min_sample_s=1e-3)
+    timed = [name for name, reps in clock.log[3:]]  # after the three calibrations
+    assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.002, float("nan"), float("inf")])
+def test_a_device_timer_reporting_nonpositive_or_nonfinite_time_is_rejected(bad):
+    fns, _ = variants("good", "broken")
+    # the broken variant's clock goes wrong in its third measurement (round 1)
+    clock = FakeClock({"good": 1e-3, "broken": 1e-3}, broken={"broken": (3, bad)})
+    got = dt.time_interleaved(fns, clock=clock, rounds=4, warmup=1, min_sample_s=1e-3)
+    assert got["good"].ok and got["good"].median_s == pytest.approx(1e-3)
+    assert got["broken"].median_s is None and not got["broken"].ok
+    assert "timer returned" in got["broken"].rejected and got["broken"].rejected.startswith("round")
+
+
+def test_calibration_with_a_broken_timer_is_rejected():
+    fns, _ = variants("x")
+    got = dt.time_interleaved(fns, clock=FakeClock({"x": 0.0}), rounds=3, warmup=1)
+    assert got["x"].median_s is None and got["x"].rejected.startswith("calibration")
+    assert got["x"].samples == []
+
+
+def test_a_failing_variant_is_reported_and_the_others_still_timed():
+    fns, _ = variants("ok")
+
+    def boom():
+        raise RuntimeError("no kernel image")
+
+    fns["boom"] = boom
+    got = dt.time_interleaved(fns, clock=FakeClock({"ok": 1e-3}), rounds=2, warmup=1)
+    assert got["ok"].ok
+    assert got["boom"].median_s is None and "no kernel image" in got["boom"].error
+
+
+def test_real_wall_clock_on_cpu():
+    clock = dt.clock_for("cpu")
+    assert "wall" in clock.kind
+    x = torch.randn(64, 64)
+    got = dt.time_interleaved({"mm": lambda: x @ x}, clock=clock, rounds=3, warmup=1,
+                              min_sample_s=1e-3)
+    assert got["mm"].ok and 0 < got["mm"].median_s < 1
+    assert dt.clock_for("cuda").kind == "cuda events"  # chosen, not run
+    with pytest.raises(ValueError, match="valid"):
+        dt.clock_for("cpu", "sundial")
+
+
+# ------------------------------------------------------------------------------ the report
+def test_table_marks_rejected_and_failed_variants_and_junit_parsing(tmp_path):
+    dc = load_device_check()
+    ok = {"median_s": 0.002}
+    row = {"case": "c", "dtype": "bf16", "pass": "fwd", "primary": "convlower",
+           "variants": {"eager": {"median_s": 0.004}, "inductor": {"median_s": None,
+                        "rejected": "round 1: timer returned 0.0 s"},
+                        "convlower": ok, "rule_x": {"error": "boom"}}}
+    line = dc.table_row(row)
+    assert "| 4 | rejected | 2 | rule_x error |" in line
+    assert line.split("|")[8].strip() == "-"      # Inductor / convlower: no figure
+    assert line.split("|")[9].strip() == "2.00"   # eager / convlower
+    xml = tmp_path / "j.xml"
+    xml.write_text('<testsuites><testsuite><testcase name="a" time="1.5"/>'
+                   '<testcase name="b"><skipped message="no GPU"/></testcase>'
+                   '<testcase name="c"><failure message="bad">tb</failure></testcase>'
+                   '</testsuite></testsuites>')
+    got = dc.parse_junit(str(xml))
+    assert got["counts"] == {"passed": 1, "skipped": 1, "failed": 1}
+    assert [t["outcome"] for t in got["tests"]] == ["passed", "skipped", "failed"]
+
+
+# ------------------------------------------------------------------------------ the CPU run
+@pytest.mark.slow
+def test_quick_cpu_run(tmp_path):
+    """The whole check on CPU: every section runs, the files are written, the table printed."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "CONVLOWER_CACHE_DIR"}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--quick", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    wall = time.perf_counter() - start
+    print(f"\ndevice_check --device cpu --quick: {wall:.0f} s")
+    r = json.loads((out / "device_check.json").read_text())
+    table = (out / "device_check.md").read_text()
+    assert r["schema"] == 1 and r["quick"] and r["environment"]["device"] == "cpu"
+    assert r["timing"]["clock"].startswith("wall clock")
+    # the gpu subset ran (on the CPU, by request) and every test in it passed
+    tests = r["tests"]
+    names = {t["name"].split("[")[0] for t in tests["tests"]}
+    assert names == {"test_rule_forward_backward_matches_eager",
+                     "test_snake_route_with_forced_platform",
+                     "test_measured_selection_with_the_real_timer",
+                     "test_warmup_from_a_second_process"}, names
+    assert tests["run_on_cpu_by_request"]
+    failed = [f"{t['name']}: {t['message']}" for t in tests["tests"] if t["outcome"] != "passed"]
+    assert tests["status"] == "passed", (tests["counts"], failed, tests.get("output_tail", "")[-2000:])
+    # cold then warm compile of one zoo model, from the warm-up test's two processes
+    comp = r["compile"]
+    assert comp["status"] == "ok" and comp["cold"]["cache"] == "cold"
+    assert comp["warm"]["cache"] == "warm" and comp["cold"]["compile_s"] > 0
+    # every perf section has its rows, every variant has a positive median
+    rows = r["perf"]["rows"]
+    assert {row["section"] for row in rows} == {"patch_embed", "snake", "conv3d", "wan_vae"}
+    for row in rows:
+        assert not row.get("error") and not row.get("skipped"), row
+        for name, v in row["variants"].items():
+            assert v["median_s"] and math.isfinite(v["median_s"]) and v["median_s"] > 0, (row["case"], name, v)
+    by = {(row["section"], row["dtype"], row["pass"]): row for row in rows}
+    assert set(by[("patch_embed", "fp32", "fwd+bwd")]["variants"]) == {
+        "eager", "inductor", "convlower", "bare mm"}
+    assert by[("patch_embed", "bf16", "fwd")]["variants"]["convlower"]["chose"] == {
+        "forward:patch_linear": 1}
+    snake = by[("snake", "bf16", "fwd")]["variants"]
+    assert set(snake["fused"]["snake_routes"]) == {"fused"}
+    assert set(snake["eager-safe"]["snake_routes"]) == {"eager"}
+    assert {"eager", "inductor", "convlower", "measure"} <= set(by[("conv3d", "bf16", "fwd")]["variants"])
+    assert r["failures"] == [] and proc.returncode == 0, (r["failures"], proc.stderr[-3000:])
+    # the table: written and printed
+    assert "| case | dtype | pass | eager | Inductor | convlower |" in table
+    assert "Qwen2.5-VL patch embed" in table and "Wan VAE decode" in table
+    assert "| cold | cold |" in table and "| warm | warm |" in table
+    assert "## Performance" in proc.stdout and "Qwen2.5-VL patch embed" in proc.stdout
