@@ -29,7 +29,12 @@ def fake_mode_of(values):
 
 
 def in_fake_mode_of(values):
-    """A context that runs ops in the fake mode of ``values`` (or does nothing)."""
+    """A context that runs ops in the fake mode of ``values`` when they are fake (real tensors,
+    e.g. a measurement's inside a compile, must not enter the compile's ambient fake mode)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if not any(isinstance(v, FakeTensor) for v in values):
+        return contextlib.nullcontext()
     mode = fake_mode_of(values)
     return mode if mode is not None else contextlib.nullcontext()
 
@@ -78,6 +83,18 @@ def memory_format_of(t: torch.Tensor) -> torch.memory_format:
     from torch._prims_common import suggest_memory_format
 
     return suggest_memory_format(t)
+
+
+@contextlib.contextmanager
+def size_oblivious():
+    """Inside: the size checks torch makes with ``guard_or_false`` / ``guard_or_true`` (is a
+    size 1? are these strides contiguous?) take their general answer, valid for every size,
+    instead of installing a guard on a backed size.  Checks whose answer changes the result
+    (``bool()`` of a SymBool) still guard.  (``backed_size_oblivious``, experimental config.)"""
+    from torch.fx.experimental import _config
+
+    with _config.patch(backed_size_oblivious=True):
+        yield
 
 
 # -- tracing and compiling -------------------------------------------------------------------------
@@ -246,3 +263,66 @@ def inductor_caches_off():
 
     with inductor_config.patch(force_disable_caches=True):
         yield
+
+
+# -- FX graph cache: which entry a compile saved or was served (observe only: never raise) ------
+_cache_hooks: dict[str, list] = {"lookup": [], "save": []}
+
+
+def post_grad_pass():
+    """The post-grad custom pass in Inductor's config now (the compile's own, or None)."""
+    try:
+        return torch._inductor.config.post_grad_custom_pre_pass
+    except Exception:
+        return None
+
+
+def cached_graph_guards(graph) -> str:
+    """The guard expression an FX-graph-cache entry is stored under (one key holds one entry
+    per guard set); set on a compiled graph when it is saved or loaded."""
+    return getattr(graph, "guards_expr", None) or ""
+
+
+def _run_hooks(kind: str, *args) -> None:
+    for fn in _cache_hooks[kind]:
+        try:
+            fn(*args)
+        except Exception as e:
+            log.warning("convlower: FX graph cache %s hook failed: %r", kind, e)
+
+
+def on_fx_graph_cache(on_lookup: Callable, on_save: Callable) -> bool:
+    """After each lookup in Inductor's FX graph cache call ``on_lookup(key, graph, backward)``
+    (``graph`` None on a miss), after each save ``on_save(key, graph)``.  Lookups made for an
+    AOTAutograd cache hit (its forward and backward entries) pass here too."""
+    try:
+        import inspect
+
+        from torch._inductor.codecache import FxGraphCache
+
+        if on_lookup not in _cache_hooks["lookup"]:
+            _cache_hooks["lookup"].append(on_lookup)
+        if on_save not in _cache_hooks["save"]:
+            _cache_hooks["save"].append(on_save)
+        load, save = FxGraphCache.load_with_key, FxGraphCache._save_graph
+        if getattr(load, "_convlower", False):
+            return True
+        signature = inspect.signature(load)
+
+        def load_with_key(*args, **kwargs):
+            result = load(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs).arguments
+            _run_hooks("lookup", bound["key"], result[0], bool(bound.get("is_backward")))
+            return result
+
+        def save_graph(key, compiled_graph, *args, **kwargs):
+            save(key, compiled_graph, *args, **kwargs)
+            _run_hooks("save", key, compiled_graph)
+
+        load_with_key._convlower = save_graph._convlower = True
+        FxGraphCache.load_with_key = staticmethod(load_with_key)
+        FxGraphCache._save_graph = staticmethod(save_graph)
+        return True
+    except Exception as e:
+        log.debug("convlower: no FX graph cache hooks: %r", e)
+        return False

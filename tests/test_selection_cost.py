@@ -135,3 +135,17 @@ def test_a_model_compiled_with_auto_compiles_no_candidate(cache, no_compiles):
     assert len(convs) == 4 and not no_compiles
     assert all(c.how in ("proof", "screen", "cache", "none eligible") for c in convs)
     assert all(c.decision_s >= 0 for c in convs)
+
+
+def test_exhaustive_measures_with_the_real_timer_inside_a_compile(cache, monkeypatch):
+    """The default timer compiles candidates inside the outer compile: their real tensors must
+    not enter the outer compile's fake mode (every measurement once failed that way)."""
+    monkeypatch.setattr(measure, "MIN_CONV_S", 0.0)
+    f = torch.compile(torch.nn.Conv3d(4, 8, 2, stride=2), backend="convlower",
+                      options={"select": "exhaustive", "rules": ["time_fold_conv2d"]})
+    with torch.no_grad():
+        f(torch.randn(1, 4, 4, 8, 8))
+    (entry,) = convlower.report().convolutions
+    assert entry.how == "measurement" and "measurement failed" not in entry.reason
+    assert "compiling the candidates took" in entry.reason and entry.decision_s > 0
+    assert entry.timings["aten"] > 0 and entry.timings["time_fold_conv2d"] > 0
