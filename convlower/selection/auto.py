@@ -73,9 +73,9 @@ def _cached(site, candidates, compute_dtype, by_name, measure_close):
 def judge(times: dict, by_name: dict) -> tuple[Optional[Rule], str, set]:
     """(the clear winner or None, why, names of rules in a close call)."""
     base = times["aten"]
-    if base < measure.MIN_CONV_S:
+    if base < screen.MIN_CONV_S:
         return None, (f"kept the original (it takes {base * 1e6:.0f} us eagerly, under the "
-                      f"{measure.MIN_CONV_S * 1e6:.0f} us worth a rewrite)"), set()
+                      f"{screen.MIN_CONV_S * 1e6:.0f} us worth a rewrite)"), set()
     ratios = {n: t / base for n, t in times.items() if n in by_name}
     if not ratios:
         return None, "no rule ran", set()

@@ -33,6 +33,9 @@ from .inputs import real_inputs
 WIN = 0.85
 LOSE = 1.25
 BUDGET_S = float(os.environ.get("CONVLOWER_SCREEN_BUDGET_S", "0.5"))  # per site
+# Below this (eagerly) the fixed costs of the extra kernels a rule adds are a large share of
+# the conv and an eager figure says little about the compiled one: keep the original.
+MIN_CONV_S = float(os.environ.get("CONVLOWER_SCREEN_MIN_US", "1000")) * 1e-6
 SAMPLES = 3
 
 # (site, candidates, compute_dtype) -> {"aten" | rule name: seconds per call}
