@@ -16,15 +16,36 @@ from typing import Optional
 import torch
 
 from .. import torch_internals as ti
+from ..observe import persist as _persist
 from ..observe import records as _records
 from ..observe import stats as _stats
+from ..selection import cache_dir
 from . import options as _options
 from .conv_pass import ConvLowerPass
 from .snake_pass import route_snakes
 
 log = logging.getLogger("convlower")
 _graph_ids = itertools.count()
+
+
+def _on_cache_lookup(key: str, graph, backward: bool) -> None:
+    # A graph of a convlower compile served from Inductor's cache (directly or through an
+    # AOTAutograd entry) runs no pass: report the records its first compile saved.
+    lowering = ti.post_grad_pass()
+    if graph is None or not isinstance(lowering, ConvLowerPass):
+        return
+    for rec in _persist.load(cache_dir(), key, ti.cached_graph_guards(graph),
+                             lowering.graph_name, "backward" if backward else "forward"):
+        _records.record(rec)
+
+
+def _on_cache_save(key: str, graph) -> None:
+    if isinstance(ti.post_grad_pass(), ConvLowerPass):
+        _persist.save(cache_dir(), key, ti.cached_graph_guards(graph))
+
+
 _stats.install()  # at backend lookup, so graph breaks of the very first frame are seen too
+ti.on_fx_graph_cache(_on_cache_lookup, _on_cache_save)  # per-conv records across caches
 
 
 def _inductor(mode: Optional[str], inductor_options: dict):

@@ -28,6 +28,7 @@ from ..decompositions import emission
 from ..lowerings import RULES
 from ..lowerings.proof import Verdict, check
 from ..lowerings.site import ConvSite
+from ..observe import persist as _persist
 from ..observe import stats as _stats
 from ..observe.records import ConvRecord, record
 from ..selection import Decision, choose
@@ -71,15 +72,19 @@ class ConvLowerPass(ti.CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         start = time.perf_counter()
+        recs: list[ConvRecord] = []
         try:
-            for node in list(graph.nodes):
-                if node.op == "call_function" and node.target in (
-                        aten.convolution.default, aten.convolution_backward.default):
-                    self._lower(graph, node)
+            recs = self._run(graph)
         finally:  # convlower's own share of the compile time (compile statistics)
             _stats.note_pass(self.graph_name, time.perf_counter() - start)
+            _persist.note_pass(self.graph_name, recs)  # saved with the FX graph cache entry
 
-    def _lower(self, graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    def _run(self, graph: torch.fx.Graph) -> list[ConvRecord]:
+        return [self._lower(graph, node) for node in list(graph.nodes)
+                if node.op == "call_function" and node.target in (
+                    aten.convolution.default, aten.convolution_backward.default)]
+
+    def _lower(self, graph: torch.fx.Graph, node: torch.fx.Node) -> ConvRecord:
         site = site_of(node, self.graph_name)
         rec = ConvRecord(site.graph, site.phase, site.node, site.call.describe(),
                          output_mask=list(site.output_mask) if site.output_mask else None,
@@ -103,6 +108,7 @@ class ConvLowerPass(ti.CustomGraphPass):
                        key=rec.reason)
         record(rec)
         log.debug("convlower %s %s: %s", rec.phase, rec.node, rec.rule or rec.reason)
+        return rec
 
     def _verdicts(self, site: ConvSite, shape_env, rec: ConvRecord) -> list[Verdict]:
         verdicts = []
@@ -130,7 +136,10 @@ class ConvLowerPass(ti.CustomGraphPass):
                n_guards: int, rec: ConvRecord) -> None:
         rule = decision.rule
         fn = emission.build(site, rule, self.options.compute_dtype)
-        replace(graph, node, fn, input_nodes(node), rule.name)
+        # The emission's own 0/1 and contiguity checks take their general answer: the guards a
+        # lowered conv adds are its proof's unprovable facts, not artefacts of tracing views.
+        with ti.size_oblivious():
+            replace(graph, node, fn, input_nodes(node), rule.name)
         verdict = next(v for v in verdicts if v.rule == rule.name)
         if shape_env is not None:
             verdict.install_guards(shape_env)

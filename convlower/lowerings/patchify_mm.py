@@ -4,21 +4,24 @@ Identity.  With kernel == stride, no padding and no dilation, output position ``
 spatial dim reads exactly the input block ``[j*k, j*k + k)``; blocks are disjoint and the
 trailing ``size mod k`` elements are read by no position.  So
 ``out[n, o, j...] = bias[o] + sum_{c, i} w[o, c, i] * x[n, c, j*k + i]``: cut the input into
-its ``k``-blocks (slice off the remainder, which the convolution drops too, and
+its ``k``-blocks (cut off the remainder, which the convolution drops too, and
 split each dim into (out, k)), lay each block out as a row, and multiply by the flattened weight.
 
 Conditions.  Not transposed; groups == 1; per spatial dim: kernel == stride, padding == 0,
-(dilation == 1 or kernel == 1).  No condition on sizes, so dynamic sizes need no guard.
+(dilation == 1 or kernel == 1).  No condition on sizes, so dynamic sizes need no guard, and the
+emission adds none (view sizes come from the proven quotient ``size // kernel``).
 
-Emission.  slice + reshape per dim -> permute to (N, out..., C, k...) -> rows -> ``addmm`` ->
-(N, out..., O) -> permute to (N, O, out...).  Covers 1x1(x1) pointwise convs (the rows are a
-view for channels-last input) and ViT/DiT patch embeddings.
+Emission.  crop each dim to out*kernel (:func:`.frames.pad_to`) + view -> permute to
+(N, out..., C, k...) -> rows -> ``addmm`` -> (N, out..., O) -> permute to (N, O, out...).
+Covers 1x1(x1) pointwise convs (the rows are a view for channels-last input) and ViT/DiT patch
+embeddings.
 """
 from __future__ import annotations
 
 import sympy
 import torch
 
+from .frames import pad_to
 from .rule import Condition, ConvCall, Rule, common_conditions
 
 
@@ -41,14 +44,15 @@ class PatchifyMM(Rule):
         nd = c.ndim
         n, ch = x.shape[0], x.shape[1]
         outs = [c.out_size(d, x) for d in range(nd)]  # == size // kernel, the conv's own formula
-        # Drop each dim's trailing remainder (a view), then split it into (out, kernel).
-        # Slices + reshape rather than unfold: Inductor (torch 2.13) mis-compiles the backward
-        # of unfold for size-1 and single-window cases.
-        kept = x[(slice(None), slice(None)) + tuple(slice(0, o * k) for o, k in zip(outs, c.kernel))]
+        # Cut each dim to exactly out * kernel (the remainder no window reads), then split it
+        # into (out, kernel): sizes built from the proven quotient, so no size check (guard).
+        # Not unfold: Inductor (torch 2.13) mis-compiles its backward for size-1 and
+        # single-window cases.
+        kept = pad_to(x, {2 + d: o * k for d, (o, k) in enumerate(zip(outs, c.kernel))})
         split = [n, ch]
         for o, k in zip(outs, c.kernel):
             split += [o, k]
-        blocks = kept.reshape(split)  # (N, C, o0, k0, o1, k1, ...)
+        blocks = kept.view(split)  # (N, C, o0, k0, o1, k1, ...): splits only, any strides
         # rows ordered (N, out...), columns (C, k...) to match weight.reshape(O, -1)
         rows = blocks.permute(0, *range(2, 2 + 2 * nd, 2), 1, *range(3, 3 + 2 * nd, 2))
         n_rows = n

@@ -53,6 +53,7 @@ class ConvRecord(_Record):
     input_produced: bool = True     # input made by an op of the graph (not a graph input)
     output_consumed: bool = True    # forward output read by an op of the graph
     pad_folded: Optional[list] = None    # the constant_pad_nd folded into the conv's padding
+    from_cache: bool = False        # recorded by an earlier compile of a cached graph (persist.py)
     shared: str = ""                # across ranks: "" own, "rank N" whose (selection/ranks.py)
 
 
@@ -74,7 +75,7 @@ class CompileRecord(_Record):
     phase: str
     frame: str
     graphs: list
-    graph_breaks: list              # {"reason", "location"}
+    graph_breaks: list              # breaks.parse(): reason, location, code, frame, source...
     recompile_reason: Optional[str]
     total_s: float
     phases_s: dict                  # exclusive seconds per phase (stats.PHASES)

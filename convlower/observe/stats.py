@@ -2,9 +2,10 @@
 
 One record per compile that convlower took part in (a Dynamo frame compile, and separately the
 lazily compiled backward of a training graph), appended to the report as kind ``"compiles"``:
-graphs, graph breaks (reason + user-code location), the recompile reason, exclusive compile
-time per phase (Dynamo, AOTAutograd, Inductor, code generation, convlower's own rule
-selection; they sum to the compile's total), FX-graph and AOTAutograd cache hits and misses,
+graphs, graph breaks (Dynamo's reason and explanation, the graph-break code, the user's frame
+and code line: breaks.py), the recompile reason, exclusive compile time per phase (Dynamo,
+AOTAutograd, Inductor, code generation, convlower's own rule selection; they sum to the
+compile's total), FX-graph and AOTAutograd cache hits and misses,
 rewrites per rule and the shape guards convlower added.
 
 How: Dynamo records a ``CompilationMetrics`` entry when a compile ends; convlower notes its own
@@ -23,12 +24,12 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import time
 from typing import Any, Callable, Optional
 
 from .. import torch_internals as ti
+from . import breaks as _breaks
 from . import records as _records
 from .records import CompileRecord
 
@@ -85,29 +86,15 @@ def note_pass(graph_name: str, seconds: float) -> None:
     _event("pass", graph=graph_name, seconds=seconds)
 
 
-_BREAK_AT = re.compile(r"in user code at (.*):(\d+)")
-_BREAK_WHY = re.compile(r"Graph Break Reason: (.*?)(?:\nUser code traceback:|$)", re.S)
-_BREAK_NOISE = ("Hint:", "Developer debug context:", "For more details")
-
-
-def _break_reason(text: str) -> str:
-    """Dynamo's reason block, minus hints and links, on one line."""
-    lines = [ln.strip() for ln in text.splitlines()]
-    return " ".join(ln for ln in lines if ln and not ln.startswith(_BREAK_NOISE))[:500]
-
-
 class _GraphBreakHandler(logging.Handler):
-    """Reads Dynamo's graph-break log lines: 'Graph break in user code at FILE:LINE' +
-    'Graph Break Reason: ...'."""
+    """Reads Dynamo's graph-break log lines (breaks.py): location, reason, graph-break code,
+    the user's frame and code line."""
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            msg = record.getMessage()
-            at, why = _BREAK_AT.search(msg), _BREAK_WHY.search(msg)
-            if at is None and why is None:
-                return
-            _event("break", location=f"{at.group(1)}:{at.group(2)}" if at else "unknown",
-                   reason=_break_reason(why.group(1)) if why else msg.splitlines()[0])
+            b = _breaks.parse(record.getMessage())
+            if b is not None:
+                _event("break", **b)
         except Exception:
             pass
 
@@ -192,7 +179,7 @@ def summary_line(r: dict) -> str:
     c = r["cache"]
     parts = [f"convlower compile {r['compile_id']} {r['phase']} {r['frame']}: "
              f"{_plural(len(r['graphs']), 'graph')}, {_plural(len(r['graph_breaks']), 'graph break')}"
-             + "".join(f" at {b['location']}" for b in r["graph_breaks"][:1])]
+             + "".join(f" at {_breaks.short(b)}" for b in r["graph_breaks"][:1])]
     if r["recompile_reason"]:
         parts.append(f"recompile ({r['recompile_reason']})")
     parts.append(f"{r['total_s']:.2f} s = " + " + ".join(f"{k} {p[k]:.2f}" for k in PHASES))
@@ -216,7 +203,7 @@ def _make_record(m, events: list[dict], convs: list) -> CompileRecord:
     for c in mine:
         if c.rule:
             rewrites[c.rule] = rewrites.get(c.rule, 0) + 1
-    breaks = [{"reason": e["reason"], "location": e["location"]} for e in events
+    breaks = [{k: v for k, v in e.items() if k not in ("t", "cid", "kind")} for e in events
               if e["kind"] == "break"]
     rec = CompileRecord(
         compile_id=str(m.compile_id), phase=phase, frame=_frame(m), graphs=graphs,

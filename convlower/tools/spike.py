@@ -226,7 +226,9 @@ def _cold_compile(run, backend, inductor_options, progress, res) -> dict:
     res.update(counts)
     if backend != "convlower":
         return {}
-    res["compile_phases_s"] = stats.totals(window.records)["phases_s"]  # where the time went
+    totals = stats.totals(window.records)
+    res["compile_phases_s"] = totals["phases_s"]  # where the time went
+    res["graph_break_details"] = totals["graph_breaks"]  # reason, GB code, frame and code line
     return conv_report().to_dict()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..lowerings import RULES
+from ..observe.breaks import describe as describe_break
 from .amortize import DONT
 from .spike_runner import COMPILED, SpikeError
 
@@ -52,7 +53,10 @@ def format_report(res: dict) -> str:
                 + ", ".join(f"{k} {_ms(v)}" for k, v in phases.items()), ""]
     for x in COMPILED:
         out.append(f"{x}: {b[x]['verdict']} - {b[x]['reason']}")
-        for why in b[x].get("graph_break_reasons") or []:
+        details = b[x].get("graph_break_details")  # convlower's compile statistics
+        for d in details or []:
+            out.append("    graph break " + describe_break(d, 110).replace("\n", "\n    "))
+        for why in [] if details else b[x].get("graph_break_reasons") or []:
             out.append(f"    graph break: {why.splitlines()[0]}")
         for why in b[x].get("recompile_reasons") or []:
             out.append(f"    recompile: {why.splitlines()[0]}")
