@@ -74,8 +74,8 @@ def forward(self, x_1, w_1, b_1):
     addmm_default = torch.ops.aten.addmm.default(b_1, view_default_1, permute_default_1);  b_1 = view_default_1 = permute_default_1 = None
     view_default_3 = torch.ops.aten.view.default(addmm_default, [2, 4, 4, 8]);  addmm_default = None
     permute_default_2 = torch.ops.aten.permute.default(view_default_3, [0, 3, 1, 2]);  view_default_3 = None
-    clone_default_1 = torch.ops.aten.clone.default(permute_default_2, memory_format = torch.contiguous_format);  permute_default_2 = None
-    return clone_default_1""")
+    dense_default = torch.ops.convlower.dense.default(permute_default_2);  permute_default_2 = None
+    return dense_default""")
 
     def test_patchify_mm_backward(self):
         x, w, b = torch.randn(2, 3, 9, 8), torch.randn(8, 3, 2, 2), torch.randn(8)
