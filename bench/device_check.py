@@ -427,13 +427,7 @@ def conv3d(check: Check, spec, dtype) -> dict:
     mods["convlower"] = torch.compile(conv, backend="convlower")
     mods["measure"] = torch.compile(conv, backend="convlower", options={"select": "measure"})
 
-    def fwd(f):
-        def run():
-            with torch.no_grad():
-                return f(x)
-        return run
-
-    variants = check.compare({k: fwd(f) for k, f in mods.items()})
+    variants = check.compare({k: _inference(f, x) for k, f in mods.items()})
     with torch.no_grad():
         ref = conv(x)
         errs = {k: _rel_err(mods[k](x), ref) for k in mods if k != "eager"
@@ -441,6 +435,14 @@ def conv3d(check: Check, spec, dtype) -> dict:
     return {"variants": variants, "primary": "convlower", "eligible_rules": rules,
             "max_rel_err": errs}
 
+
+
+def _inference(f, *args):
+    """``f(*args)`` without autograd, as a zero-argument call to time."""
+    def run():
+        with torch.no_grad():
+            return f(*args)
+    return run
 
 def wan_vae_rows(check: Check) -> None:
     cfg = WAN["quick" if check.args.quick else "full"]
@@ -466,13 +468,7 @@ def wan_vae(check: Check, cfg: dict) -> dict:
     mods = {"eager": decode, "inductor": torch.compile(decode, backend="inductor"),
             "convlower": torch.compile(decode, backend="convlower")}
 
-    def fwd(f):
-        def run():
-            with torch.no_grad():
-                return f(z)
-        return run
-
-    variants = check.compare({k: fwd(f) for k, f in mods.items()})
+    variants = check.compare({k: _inference(f, z) for k, f in mods.items()})
     with torch.no_grad():
         err = _rel_err(mods["convlower"](z), decode(z))
     return {"variants": variants, "primary": "convlower", "max_rel_err_convlower": err}
@@ -503,13 +499,7 @@ def snake(check: Check, frames: int) -> dict:
     z = torch.randn(1, dec.conv1.in_channels, frames, device=check.device, dtype=dtype)
     mods = bench_snake.variants(dec)
 
-    def fwd(f):
-        def run():
-            with torch.no_grad():
-                return f(z)
-        return run
-
-    variants = check.compare({k: fwd(f) for k, f in mods.items()})
+    variants = check.compare({k: _inference(f, z) for k, f in mods.items()})
     expect = {"fused": "fused", "eager-safe": "eager"}
     for k, route in expect.items():
         got = variants.get(k, {}).get("snake_routes")
