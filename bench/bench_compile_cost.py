@@ -9,7 +9,8 @@ directory:
 * ``warm``      - convlower's compile with the decisions the cold run left (Inductor still
   cold), then the steady-state step of convlower and Inductor, interleaved in that process.
 
-Compile time is the first call minus one steady step.  Ratios: cold/Inductor and warm/Inductor
+Compile time is the first call minus one steady step; "kernels" counts the kernels Inductor
+generated (C++ on CPU, Triton on GPU), each built by a compiler at cold compile.  Ratios: cold/Inductor and warm/Inductor
 compile time (goal <= 1.15), and Inductor step / convlower step (> 1: convlower faster).
 
     .venv/bin/python bench/bench_compile_cost.py                       # every zoo model, small
@@ -88,7 +89,9 @@ def worker(args) -> dict:
     opts = {"options": {"select": args.select}} if backend == "convlower" else {}
     compiled = torch.compile(fn, backend=backend, **opts)
     first, step = _first_and_steady(compiled, inputs, backward, params)
-    out = {"compile_s": max(first - step, 0.0)}
+    from torch._inductor import metrics
+
+    out = {"compile_s": max(first - step, 0.0), "kernels": metrics.generated_kernel_count}
     if args.model == "wan-vae-dynamic":  # a second frame count: the recompile's cost
         x = inputs[0]
         longer = (torch.randn(*x.shape[:2], x.shape[2] + 4, *x.shape[3:], dtype=dtype),)
@@ -147,13 +150,14 @@ def row(model, dtype, size, select, timeout) -> dict:
     return dict(out, cold_ratio=res["cold"]["compile_s"] / ind,
                 warm_ratio=res["warm"]["compile_s"] / ind, step_ratio=res["warm"]["step_ratio"],
                 lowered=res["cold"]["lowered"], how="/".join(res["cold"]["how"]),
-                decision_s=res["cold"]["decision_s"])
+                decision_s=res["cold"]["decision_s"],
+                kernels=f"{res['inductor']['kernels']}/{res['cold']['kernels']}")
 
 
 def table(rows) -> str:
     head = ("| model | dtype | Inductor cold s | convlower cold s | warm decisions s | cold/ind "
-            "| warm/ind | step ind/cl | convs lowered | decided by | deciding s |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|")
+            "| warm/ind | step ind/cl | convs lowered | decided by | deciding s | kernels ind/cl |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         if "error" in r:
@@ -162,7 +166,7 @@ def table(rows) -> str:
         lines.append(f"| {r['model']} | {r['dtype']} | {r['inductor_s']:.2f} | {r['cold_s']:.2f} "
                      f"| {r['warm_s']:.2f} | {r['cold_ratio']:.2f} | {r['warm_ratio']:.2f} "
                      f"| {r['step_ratio']:.2f} | {r['lowered']} | {r['how']} "
-                     f"| {r['decision_s']:.2f} |")
+                     f"| {r['decision_s']:.2f} | {r['kernels']} |")
     return "\n".join(lines)
 
 

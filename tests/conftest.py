@@ -1,19 +1,30 @@
 import os
+import tempfile
 
-import pytest
-import torch
-
-# Tests never touch the user's caches.
+# Scalar C++ kernels in tests (and in the processes they start): Inductor's vectorised CPU
+# codegen costs seconds per graph and is not what these tests are about (convlower's pass runs
+# before it); it roughly halves the suite's compile time.  Tests marked ``vectorized`` (and
+# the benchmarks) run Inductor's default codegen.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+# Tests never touch the user's caches; the compiled-kernel cache is a fresh directory per run.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="convlower-tests-inductor-"))
 os.environ.setdefault("CONVLOWER_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "convlower"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
+def _fresh_dynamo(request):
     import convlower
 
-    # A graph served from Inductor's cache runs no pass and adds no report entry; tests that
-    # inspect the report need real compiles (cache behaviour is tested in subprocesses).
-    torch._inductor.config.force_disable_caches = True
+    # A graph served from Inductor's FX graph or AOTAutograd cache runs no pass and adds no
+    # report entry; tests that inspect the report need real compiles (cache behaviour is
+    # tested in subprocesses).  Only those two caches are off: the compiled-kernel cache stays.
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    vectorized = request.node.get_closest_marker("vectorized") is not None
+    torch._inductor.config.cpp.vec_isa_ok = None if vectorized else False
 
     torch._dynamo.reset()
     convlower.reset_report()

@@ -67,15 +67,15 @@ def forward(self, x_1, w_1, b_1):
     slice_tensor = torch.ops.aten.slice.Tensor(x_1, 2, 0, 8);  x_1 = None
     view_default = torch.ops.aten.view.default(slice_tensor, [2, 3, 4, 2, 4, 2]);  slice_tensor = None
     permute_default = torch.ops.aten.permute.default(view_default, [0, 2, 4, 1, 3, 5]);  view_default = None
-    clone_default = torch.ops.aten.clone.default(permute_default, memory_format = torch.contiguous_format);  permute_default = None
-    view_default_1 = torch.ops.aten.view.default(clone_default, [32, 12]);  clone_default = None
+    dense_default = torch.ops.convlower.dense.default(permute_default);  permute_default = None
+    view_default_1 = torch.ops.aten.view.default(dense_default, [32, 12]);  dense_default = None
     view_default_2 = torch.ops.aten.view.default(w_1, [8, -1]);  w_1 = None
     permute_default_1 = torch.ops.aten.permute.default(view_default_2, [1, 0]);  view_default_2 = None
     addmm_default = torch.ops.aten.addmm.default(b_1, view_default_1, permute_default_1);  b_1 = view_default_1 = permute_default_1 = None
     view_default_3 = torch.ops.aten.view.default(addmm_default, [2, 4, 4, 8]);  addmm_default = None
     permute_default_2 = torch.ops.aten.permute.default(view_default_3, [0, 3, 1, 2]);  view_default_3 = None
-    dense_default = torch.ops.convlower.dense.default(permute_default_2);  permute_default_2 = None
-    return dense_default""")
+    dense_default_1 = torch.ops.convlower.dense.default(permute_default_2);  permute_default_2 = None
+    return dense_default_1""")
 
     def test_patchify_mm_backward(self):
         x, w, b = torch.randn(2, 3, 9, 8), torch.randn(8, 3, 2, 2), torch.randn(8)
@@ -85,13 +85,13 @@ def forward(self, g_1, x_1, w_1):
     slice_tensor = torch.ops.aten.slice.Tensor(x_1, 2, 0, 8);  x_1 = None
     view_default = torch.ops.aten.view.default(slice_tensor, [2, 3, 4, 2, 4, 2]);  slice_tensor = None
     permute_default = torch.ops.aten.permute.default(view_default, [0, 2, 4, 1, 3, 5]);  view_default = None
-    clone_default = torch.ops.aten.clone.default(permute_default, memory_format = torch.contiguous_format);  permute_default = None
-    view_default_1 = torch.ops.aten.view.default(clone_default, [32, 12]);  clone_default = None
+    dense_default = torch.ops.convlower.dense.default(permute_default);  permute_default = None
+    view_default_1 = torch.ops.aten.view.default(dense_default, [32, 12]);  dense_default = None
     view_default_2 = torch.ops.aten.view.default(w_1, [8, -1]);  w_1 = None
     permute_default_1 = torch.ops.aten.permute.default(view_default_2, [1, 0]);  view_default_2 = None
     permute_default_2 = torch.ops.aten.permute.default(g_1, [0, 2, 3, 1])
-    clone_default_1 = torch.ops.aten.clone.default(permute_default_2, memory_format = torch.contiguous_format);  permute_default_2 = None
-    view_default_3 = torch.ops.aten.view.default(clone_default_1, [32, 8]);  clone_default_1 = None
+    clone_default = torch.ops.aten.clone.default(permute_default_2, memory_format = torch.contiguous_format);  permute_default_2 = None
+    view_default_3 = torch.ops.aten.view.default(clone_default, [32, 8]);  clone_default = None
     permute_default_3 = torch.ops.aten.permute.default(view_default_3, [1, 0])
     mm_default = torch.ops.aten.mm.default(permute_default_3, view_default_1);  permute_default_3 = view_default_1 = None
     permute_default_4 = torch.ops.aten.permute.default(mm_default, [1, 0]);  mm_default = None
@@ -101,8 +101,8 @@ def forward(self, g_1, x_1, w_1):
     view_default_4 = torch.ops.aten.view.default(permute_default_6, [8, 3, 2, 2]);  permute_default_6 = None
     view_default_5 = torch.ops.aten.view.default(mm_default_1, [2, 4, 4, 3, 2, 2]);  mm_default_1 = None
     permute_default_7 = torch.ops.aten.permute.default(view_default_5, [0, 3, 1, 4, 2, 5]);  view_default_5 = None
-    clone_default_2 = torch.ops.aten.clone.default(permute_default_7, memory_format = torch.contiguous_format);  permute_default_7 = None
-    view_default_6 = torch.ops.aten.view.default(clone_default_2, [2, 3, 8, 8]);  clone_default_2 = None
+    clone_default_1 = torch.ops.aten.clone.default(permute_default_7, memory_format = torch.contiguous_format);  permute_default_7 = None
+    view_default_6 = torch.ops.aten.view.default(clone_default_1, [2, 3, 8, 8]);  clone_default_1 = None
     full_default = torch.ops.aten.full.default([2, 3, 9, 8], 0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'), pin_memory = False)
     slice_scatter_default = torch.ops.aten.slice_scatter.default(full_default, view_default_6, 2, 0, 8);  full_default = view_default_6 = None
     sum_dim_int_list = torch.ops.aten.sum.dim_IntList(g_1, [0, 2, 3]);  g_1 = None

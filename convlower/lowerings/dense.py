@@ -1,4 +1,4 @@
-"""Dense copies inside an emission: fusable when a producer can take them, opaque otherwise.
+"""Dense copies (and stacks) inside an emission: fusable when a producer can take them, opaque otherwise.
 
 A rule gathers patches or frames into a dense buffer for its GEMM / conv2d.  When the conv's
 input is made by an op of the graph, Inductor fuses that copy into the producer's kernel, so a
@@ -37,6 +37,13 @@ def dense(t: torch.Tensor) -> torch.Tensor:
     return torch.ops.convlower.dense(t)
 
 
+def stack(ts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.stack(ts, dim)`` (a dense new tensor): fusable, or the opaque ``convlower::stack``."""
+    if not _OPAQUE.get():
+        return torch.stack(ts, dim)
+    return torch.ops.convlower.stack(ts, dim)
+
+
 def _static_contiguous(t: torch.Tensor) -> bool:
     """Contiguous with every size and stride a plain int (no guard needed to know it)."""
     if not all(isinstance(v, int) for v in (*t.shape, *t.stride())):
@@ -64,3 +71,26 @@ def _backward(ctx, grad):
 
 
 _dense.register_autograd(_backward)
+
+
+@torch.library.custom_op("convlower::stack", mutates_args=())
+def _stack(ts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return torch.stack(ts, dim)
+
+
+@_stack.register_fake
+def _(ts, dim):
+    shape = list(ts[0].shape)
+    shape.insert(dim, len(ts))
+    return ts[0].new_empty(shape)
+
+
+def _stack_setup(ctx, inputs, output):
+    ctx.dim = inputs[1]
+
+
+def _stack_backward(ctx, grad):
+    return list(grad.unbind(ctx.dim)), None
+
+
+_stack.register_autograd(_stack_backward, setup_context=_stack_setup)

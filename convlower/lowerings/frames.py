@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .dense import stack
 from .rule import ConvCall, sym
 
 
@@ -69,9 +70,9 @@ def time_taps(c: ConvCall, x: torch.Tensor) -> list[torch.Tensor]:
 def taps_to_batch(taps: list[torch.Tensor]) -> torch.Tensor:
     """kT taps (N, C, T_out, H, W) -> (N*T_out, C*kT, H, W), channel ``c*kT + i`` (group-major)."""
     n, ch, t_out, h, w = taps[0].shape
-    stacked = torch.stack(taps, dim=2)  # (N, C, kT, T_out, H, W)
-    # An explicit copy, not reshape: reshape's view-or-copy choice is a size check (T_out == 1?)
-    batch = stacked.permute(0, 3, 1, 2, 4, 5).clone(memory_format=torch.contiguous_format)
+    # Stacked straight into (N, T_out, C, kT, H, W): one copy.  Not reshape, whose view-or-copy
+    # choice is a size check (T_out == 1?).
+    batch = stack([t.permute(0, 2, 1, 3, 4) for t in taps], dim=3)
     return batch.view(n * t_out, ch * len(taps), h, w)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import sympy
 import torch
 
+from .dense import dense
 from .frames import pad_to
 from .rule import Condition, ConvCall, Rule, common_conditions
 
@@ -58,9 +59,9 @@ class PatchifyMM(Rule):
         n_rows = n
         for o in outs:
             n_rows = n_rows * o
-        # An explicit contiguous copy, not reshape: reshape would pick view-or-copy from the
+        # An explicit dense copy, not reshape: reshape would pick view-or-copy from the
         # strides seen while tracing, and Inductor may lay the input out differently later.
-        rows = rows.clone(memory_format=torch.contiguous_format).view(n_rows, weight[0].numel())
+        rows = dense(rows).view(n_rows, weight[0].numel())
         out_ch = weight.shape[0]
         flat_w = weight.reshape(out_ch, -1)
         out = torch.addmm(bias, rows, flat_w.t()) if bias is not None else rows @ flat_w.t()

@@ -19,6 +19,7 @@ import sympy
 import torch
 
 from .rule import Condition, ConvCall, Rule, common_conditions
+from .dense import dense
 from .frames import batch_to_frames, time_taps
 
 
@@ -35,7 +36,7 @@ class TimeSumConv2d(Rule):
         acc_dtype = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
         acc = None
         for i, tap in enumerate(taps):
-            frames = tap.permute(0, 2, 1, 3, 4).reshape(n * t_out, ch, h, w)
+            frames = dense(tap.permute(0, 2, 1, 3, 4)).view(n * t_out, ch, h, w)
             y = torch.conv2d(frames, weight[:, :, i], None, c.stride[1:], c.padding[1:],
                              c.dilation[1:], c.groups)
             # Back to (N, O, T_out, H', W') per tap, on the conv2d's own output: viewing the

@@ -100,6 +100,25 @@ class Timing:
         return dataclasses.asdict(self)
 
 
+def _clocked(timing: Timing, clock: Clock, fn, reps: int, check, where: str,
+             warmup: int = 0) -> Optional[float]:
+    """Seconds for ``reps`` calls of ``fn`` (after ``warmup`` untimed calls: compile, allocate,
+    pick library plans), or None with ``timing.error`` / ``timing.rejected`` saying why.  A
+    variant that fails is a finding, not the end of the row."""
+    try:
+        for _ in range(warmup):
+            fn()
+        seconds = clock(fn, reps)
+    except Exception as e:
+        timing.error = f"{type(e).__name__}: {e}"[:500]
+        return None
+    problem = check(seconds)
+    if problem:
+        timing.rejected = f"{where}: {problem}"
+        return None
+    return seconds
+
+
 def time_interleaved(fns: dict, *, clock: Clock, rounds: int = 7, warmup: int = 2,
                      min_sample_s: float = 0.02, max_reps: int = 1000,
                      check: Callable[[object], Optional[str]] = plausible) -> dict:
@@ -110,36 +129,20 @@ def time_interleaved(fns: dict, *, clock: Clock, rounds: int = 7, warmup: int = 
     out = {name: Timing() for name in fns}
     live = []
     for name, fn in fns.items():
-        timing = out[name]
-        try:
-            for _ in range(max(warmup, 1)):  # compile, allocate, pick library plans
-                fn()
-            first = clock(fn, 1)
-        except Exception as e:  # a variant that fails is a finding, not the end of the row
-            timing.error = f"{type(e).__name__}: {e}"[:500]
-            continue
-        problem = check(first)
-        if problem:
-            timing.rejected = f"calibration: {problem}"
-            continue
-        timing.reps = max(1, min(max_reps, math.ceil(min_sample_s / first)))
-        live.append(name)
+        first = _clocked(out[name], clock, fn, 1, check, "calibration",
+                         warmup=max(warmup, 1))
+        if first is not None:
+            out[name].reps = max(1, min(max_reps, math.ceil(min_sample_s / first)))
+            live.append(name)
     for r in range(rounds):
         order = live[r % len(live):] + live[:r % len(live)] if live else []
         for name in order:
             timing = out[name]
             if timing.rejected or timing.error:
                 continue
-            try:
-                seconds = clock(fns[name], timing.reps)
-            except Exception as e:
-                timing.error = f"{type(e).__name__}: {e}"[:500]
-                continue
-            problem = check(seconds)
-            if problem:
-                timing.rejected = f"round {r}: {problem}"
-                continue
-            timing.samples.append(seconds / timing.reps)
+            seconds = _clocked(timing, clock, fns[name], timing.reps, check, f"round {r}")
+            if seconds is not None:
+                timing.samples.append(seconds / timing.reps)
     for timing in out.values():
         if timing.rejected or timing.error:
             timing.median_s = None
