@@ -67,3 +67,35 @@ def test_the_function_timed_is_the_function_spliced(cache, monkeypatch):
     codes = [ti.trace_aten(fn, list(site.inputs)).code for site, fn in ruled]
     assert codes[0] == codes[1]
     assert "constant_pad_nd" in codes[0]  # the leftover time pad is part of what was timed
+
+
+@pytest.mark.parametrize("op,args", [
+    ("dense", lambda: (torch.randn(2, 3, 4).transpose(1, 2),)),
+    ("stack", lambda: ([torch.randn(2, 3), torch.randn(2, 3)[:, [2, 0, 1]]], 1)),
+])
+def test_opaque_copy_ops_pass_opcheck(op, args):
+    """Fake kernels, autograd and schema of convlower::dense / convlower::stack agree with the
+    real kernels (torch's own consistency checks, run on requires-grad inputs)."""
+    a = args()
+    grads = tuple(t.requires_grad_() for t in (a[0] if isinstance(a[0], list) else a[:1]))
+    assert grads
+    torch.library.opcheck(getattr(torch.ops.convlower, op).default, a)
+
+
+@pytest.mark.parametrize("produced", [False, True], ids=["graph input", "made in the graph"])
+def test_tap_stack_is_opaque_only_on_a_graph_input(produced):
+    """A Conv3d reading a graph input stacks its taps with the opaque convlower::stack (no
+    generated copy kernel to build); one reading an op's output stacks with aten (fusable)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv3d(3, 4, (2, 3, 3), stride=(2, 1, 1), padding=(0, 1, 1))
+    model = (lambda v: conv(v.relu())) if produced else conv
+    f = torch.compile(model, backend="convlower",
+                      options={"rules": ["time_fold_conv2d"], "select": "always"})
+    x = torch.randn(1, 3, 4, 6, 6)
+    with torch.no_grad():
+        out, (code,) = run_and_get_code(f, x)
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    assert convlower.report().convolutions[0].rule == "time_fold_conv2d"
+    assert ("convlower.stack" in code) is not produced
