@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 # Scalar C++ kernels in tests (and in the processes they start): Inductor's vectorised CPU
@@ -6,8 +8,11 @@ import tempfile
 # before it); it roughly halves the suite's compile time.  Tests marked ``vectorized`` (and
 # the benchmarks) run Inductor's default codegen.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
-# Tests never touch the user's caches; the compiled-kernel cache is a fresh directory per run.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="convlower-tests-inductor-"))
+# Tests never touch the user's caches; the compiled-kernel cache is a fresh directory per run,
+# removed when the run ends.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="convlower-tests-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("CONVLOWER_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "convlower"))
 
 import pytest  # noqa: E402

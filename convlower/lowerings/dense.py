@@ -1,4 +1,5 @@
-"""Dense copies (and stacks) inside an emission: fusable when a producer can take them, opaque otherwise.
+"""Dense copies and stacks inside an emission: fusable when a producer can take them, opaque
+otherwise.
 
 A rule gathers patches or frames into a dense buffer for its GEMM / conv2d.  When the conv's
 input is made by an op of the graph, Inductor fuses that copy into the producer's kernel, so a
