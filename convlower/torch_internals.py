@@ -123,6 +123,22 @@ def inductor_wrapper(mode: Optional[str], inductor_options: Optional[dict]):
     return torch._TorchCompileInductorWrapper(mode, inductor_options or None, None)
 
 
+def compile_with_inductor(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str],
+                          inductor_options: Optional[dict], patches: Optional[dict] = None):
+    """Compile ``gm`` as ``backend="inductor"`` would (same mode and option handling), with
+    ``patches`` added to Inductor's config for this compile only.
+
+    The patches go through ``compile_fx(config_patches=...)``, which every torch since 2.0
+    accepts and which also re-applies them to the backward compiled later, outside this call
+    (the lazily compiled backward of torch <= 2.12).  The wrapper's own ``__call__`` only takes
+    ``config_patches`` from torch 2.13 on, so it is not called."""
+    from torch._inductor.compile_fx import compile_fx
+
+    wrapper = inductor_wrapper(mode, inductor_options)
+    merged = {**getattr(wrapper, "config", {}), **(patches or {})}
+    return compile_fx(gm, example_inputs, config_patches=merged)
+
+
 def inductor_config_keys() -> dict:
     from torch._inductor import config
 

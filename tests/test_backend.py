@@ -66,9 +66,9 @@ def test_env_var_enables_rules_and_option_wins():
 def test_inductor_options_and_mode_pass_through():
     opts = parse({"max_autotune": True}, env={})
     assert dict(opts.inductor) == {"max_autotune": True}
-    from convlower.backend.compiler import _inductor
+    from convlower import torch_internals as ti
 
-    cfg = _inductor("max-autotune-no-cudagraphs", {}).config
+    cfg = ti.inductor_wrapper("max-autotune-no-cudagraphs", {}).config
     assert cfg["max_autotune"] is True and cfg["coordinate_descent_tuning"] is True
     m = torch.nn.Conv2d(3, 4, 2, 2)
     x = torch.randn(1, 3, 4, 4)

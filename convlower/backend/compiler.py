@@ -48,10 +48,10 @@ _stats.install()  # at backend lookup, so graph breaks of the very first frame a
 ti.on_fx_graph_cache(_on_cache_lookup, _on_cache_save)  # per-conv records across caches
 
 
-def _inductor(mode: Optional[str], inductor_options: dict):
-    # The wrapper torch.compile itself builds for backend="inductor": it applies `mode` and
-    # validates Inductor options the same way.
-    return ti.inductor_wrapper(mode, inductor_options)
+def _inductor(gm, example_inputs, mode: Optional[str], opts, patches=None):
+    # As torch.compile does for backend="inductor" (mode and Inductor options applied and
+    # validated the same way), plus our patches for this compile and its later backward.
+    return ti.compile_with_inductor(gm, example_inputs, mode, dict(opts.inductor), patches)
 
 
 def convlower_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str] = None,
@@ -66,14 +66,14 @@ def convlower_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[s
     patches = {"post_grad_custom_pre_pass": ConvLowerPass(opts, name)}
     _stats.note_graph(name)
     try:
-        return _inductor(mode, dict(opts.inductor))(gm, example_inputs, config_patches=patches)
+        return _inductor(gm, example_inputs, mode, opts, patches)
     except Exception as e:
         if ti.is_dynamo_control_flow(e):
             raise  # Dynamo's own control flow (restart, skip), not a failure
         what = _failure(name, e)
         if opts.fallback == "inductor":
             log.warning("%s; compiling %s with plain Inductor (fallback='inductor')", what, name)
-            return _inductor(mode, dict(opts.inductor))(gm, example_inputs)
+            return _inductor(gm, example_inputs, mode, opts)
         raise CompileError(f"{what}. Pass options={{'fallback': 'inductor'}} to compile such a "
                            f"graph with plain Inductor, or leave the failing rule out of "
                            f"options['rules']") from e
