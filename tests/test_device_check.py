@@ -139,6 +139,109 @@ def test_table_marks_rejected_and_failed_variants_and_junit_parsing(tmp_path):
     assert [t["outcome"] for t in got["tests"]] == ["passed", "skipped", "failed"]
 
 
+# ------------------------------------------------------------------------------ survival
+def make_check(dc, tmp_path, budget_s=600.0, limits=None, costs=None):
+    args = dc.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path / "out"),
+                          "--budget-s", str(budget_s)])
+    plan = dict(dc.PLANS["quick"], row_limit_s=limits or {}, row_cost_s=costs or {})
+    return dc.Check(args, plan)
+
+
+def test_a_row_over_its_limit_is_stopped_and_the_next_row_runs(tmp_path):
+    dc = load_device_check()
+    check = make_check(dc, tmp_path, limits={"slow": 0.5})
+    start = time.perf_counter()
+    check.row("slow", "sleeps", "fp32", "fwd", lambda: time.sleep(30) or {})
+    assert time.perf_counter() - start < 10
+    check.row("slow", "quick", "fp32", "fwd", lambda: {"variants": {}})
+    first, second = check.results["perf"]["rows"]
+    assert first["error"].startswith("RowTimeout") and "limit" in first["error"]
+    assert "error" not in second
+    r = json.loads((tmp_path / "out" / "device_check.json").read_text())
+    assert len(r["perf"]["rows"]) == 2 and any("sleeps" in f for f in r["failures"])
+    assert "| sleeps | fp32 | fwd | error: RowTimeout" in (tmp_path / "out" / "device_check.md").read_text()
+
+
+def test_rows_that_do_not_fit_the_budget_are_skipped_with_a_note(tmp_path):
+    dc = load_device_check()
+    check = make_check(dc, tmp_path, budget_s=1.0, costs={"big": 60})  # the budget is spent
+    built = []
+    check.row("big", "model", "bf16", "fwd", lambda: built.append(1) or {})
+    (row,) = check.results["perf"]["rows"]
+    assert built == [] and "budget" in row["skipped"]
+    assert any("skipped, needs ~60 s" in n for n in check.results["notes"])
+    assert "skipped: time budget" in (tmp_path / "out" / "device_check.md").read_text()
+
+
+def test_a_raising_section_is_recorded_and_the_next_section_runs(tmp_path, monkeypatch):
+    dc = load_device_check()
+    import device_check_rows  # on sys.path once device_check is loaded
+
+    ran = []
+
+    def broken(check):
+        raise RuntimeError("no kernel image for this GPU")
+
+    monkeypatch.setattr(device_check_rows, "RUNNERS", {
+        "patch_embed": broken, "conv3d": lambda check: ran.append("conv3d")})
+    check = make_check(dc, tmp_path)
+    check.args.section_list = ["patch_embed", "conv3d"]
+    dc.run_sections(check)
+    assert ran == ["conv3d"]
+    assert any("section patch_embed: RuntimeError: no kernel image" in f
+               for f in check.results["failures"])
+    assert "no kernel image" in (tmp_path / "out" / "device_check.md").read_text()
+
+
+def test_config_keys_missing_in_this_torch_are_noted_not_fatal():
+    dc = load_device_check()
+
+    class Config:
+        cache_size_limit = 8
+
+    notes, cfg = [], Config()
+    dc.set_config(notes, cfg, 64, "recompile_limit", "cache_size_limit")  # the older name
+    dc.set_config(notes, cfg, False, "no_such_key")
+    assert cfg.cache_size_limit == 64 and not hasattr(cfg, "recompile_limit")
+    assert len(notes) == 1 and "no_such_key not in torch" in notes[0]
+
+
+def test_backend_entry_point_is_provided_when_convlower_is_not_installed(monkeypatch):
+    import importlib.metadata
+
+    from convlower import convlower_backend
+
+    dc = load_device_check()
+
+    def missing(name):
+        raise RuntimeError(f"backend {name} not found")
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "")
+    monkeypatch.setattr(torch._dynamo, "lookup_backend", missing)
+    notes = []
+    dc.ensure_backend(notes)
+    assert any("entry point was provided" in n for n in notes)
+    site = sys.path[-1]
+    assert site in os.environ["PYTHONPATH"].split(os.pathsep)  # children find it too
+    (dist,) = importlib.metadata.distributions(path=[site])  # what torch's registry reads
+    (ep,) = [e for e in dist.entry_points if e.group == "torch_dynamo_backends"]
+    assert ep.name == "convlower" and ep.load() is convlower_backend
+
+
+def test_markdown_pastes_under_a_level_two_heading():
+    dc = load_device_check()
+    r = {"environment": {"device_name": "cuda:NVIDIA H200", "torch": "2.11.0+cu130"},
+         "perf": {"rows": [{"case": "c", "dtype": "bf16", "pass": "fwd", "floor": ["bare mm"],
+                            "variants": {"convlower": {"median_s": 0.08},
+                                         "bare mm": {"median_s": 0.04}}}]},
+         "failures": ["x"], "notes": []}
+    text = dc.markdown(r)
+    assert text.startswith("### cuda:NVIDIA H200 — torch 2.11.0+cu130")
+    assert all(not line.startswith(("# ", "## ")) for line in text.splitlines())
+    assert "convlower / bare mm **2.00**" in text
+
+
 # ------------------------------------------------------------------------------ the CPU run
 @pytest.mark.slow
 def test_quick_cpu_run(tmp_path):
@@ -146,8 +249,9 @@ def test_quick_cpu_run(tmp_path):
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "CONVLOWER_CACHE_DIR"}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--quick", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    env.update(OUT=str(out), PYTHON=sys.executable)  # the GPU machine's one command
+    proc = subprocess.run(["bash", os.path.join(REPO, "bench", "device_run.sh"), "--device", "cpu",
+                           "--quick"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     wall = time.perf_counter() - start
     print(f"\ndevice_check --device cpu --quick: {wall:.0f} s")
     r = json.loads((out / "device_check.json").read_text())
@@ -177,7 +281,14 @@ def test_quick_cpu_run(tmp_path):
             assert v["median_s"] and math.isfinite(v["median_s"]) and v["median_s"] > 0, (row["case"], name, v)
     by = {(row["section"], row["dtype"], row["pass"]): row for row in rows}
     assert set(by[("patch_embed", "fp32", "fwd+bwd")]["variants"]) == {
-        "eager", "inductor", "convlower", "bare mm"}
+        "eager", "inductor", "convlower", "compiled mm", "bare mm"}
+    # the patch embedding's diagnosis: what one call runs, and the generated code (one mm)
+    diag = r["diagnosis"]["patch embed bf16 fwd"]
+    assert "error" not in diag and diag["profile"]["convlower"]["kernels"], diag
+    assert any("mm" in k["name"] for k in diag["profile"]["convlower"]["kernels"])
+    code = (out / diag["code_file"]).read_text()
+    assert code.count("extern_kernels.mm(") >= 1 and "convlower.dense" not in code
+    assert "convlower / bare mm **" in table
     assert by[("patch_embed", "bf16", "fwd")]["variants"]["convlower"]["chose"] == {
         "forward:patch_linear": 1}
     snake = by[("snake", "bf16", "fwd")]["variants"]
@@ -190,3 +301,4 @@ def test_quick_cpu_run(tmp_path):
     assert "Qwen2.5-VL patch embed" in table and "Wan VAE decode" in table
     assert "| cold | cold |" in table and "| warm | warm |" in table
     assert "## Performance" in proc.stdout and "Qwen2.5-VL patch embed" in proc.stdout
+    assert "device_check exit status 0" in (out / "device_check.log").read_text()

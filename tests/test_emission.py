@@ -1,6 +1,8 @@
 """One emission builder: pad folding as a pass step, and the function timed is the one spliced."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -99,3 +101,26 @@ def test_tap_stack_is_opaque_only_on_a_graph_input(produced):
         torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
     assert convlower.report().convolutions[0].rule == "time_fold_conv2d"
     assert ("convlower.stack" in code) is not produced
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_dynamic_batch_input_is_copied_only_when_not_contiguous(layout):
+    """A graph input with a symbolic batch size is flattened as a view when its strides are
+    contiguous as expressions (an opaque copy there cost a full read and write of the input:
+    on a GPU about what the bf16 patch-embedding GEMM costs); a non-contiguous one is copied."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv3d(3, 8, (2, 4, 4), stride=(2, 4, 4), bias=False)
+    f = torch.compile(conv, backend="convlower", dynamic=True,
+                      options={"rules": ["patch_linear"], "select": "always"})
+    x = torch.randn(5, 3, 2, 4, 4)
+    if layout == "transposed":
+        x = x.transpose(3, 4)
+    with torch.no_grad():
+        out, codes = run_and_get_code(f, x)
+        torch.testing.assert_close(out, conv(x), rtol=1e-5, atol=1e-5)
+    assert convlower.report().convolutions[0].rule == "patch_linear"
+    code = "\n".join(codes)
+    assert "extern_kernels.mm(" in code and re.search(r"\(s\d+, 3, 2, 4, 4\)", code), code
+    assert ("convlower.dense" in code) is (layout == "transposed")

@@ -15,7 +15,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
+import sympy
 import torch
+
+from .rule import sym
 
 _OPAQUE = contextvars.ContextVar("convlower_opaque_copies", default=False)
 
@@ -46,14 +49,17 @@ def stack(ts: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 
 def _static_contiguous(t: torch.Tensor) -> bool:
-    """Contiguous with every size and stride a plain int (no guard needed to know it)."""
-    if not all(isinstance(v, int) for v in (*t.shape, *t.stride())):
-        return False
-    expected = 1
+    """Contiguous, known without a guard: each stride equals the product of the later sizes as
+    an expression (size-1 dims aside).  A symbolic batch size never enters that product, so a
+    contiguous input with a dynamic batch is used as it is, not copied."""
+    expected = sympy.Integer(1)
     for size, stride in reversed(list(zip(t.shape, t.stride()))):
-        if size != 1 and stride != expected:
+        size = sym(size)
+        if size == 1:
+            continue
+        if sympy.expand(sym(stride) - expected) != 0:
             return False
-        expected *= size
+        expected = expected * size
     return True
 
 
