@@ -5,6 +5,7 @@
     compiled, result = convlower.warmup(model, inputs, cache_dir=...)  # compile at session load
 """
 from .version import __version__
+from . import torch_internals  # noqa: F401  first: refuses an unsupported torch, clearly
 from .backend import CompileError, OptionError, convlower_backend
 from .observe.report import Report, report, reset_report
 from .tools.warmup import WarmupResult, warmup

@@ -15,7 +15,12 @@ from typing import Callable, Optional
 
 import sympy
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files  # noqa: F401
+
+from . import torch_versions as _versions
+
+_versions.require_supported()  # at backend lookup: a clear error on a torch we cannot run on
+
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files  # noqa: E402,F401
 
 log = logging.getLogger("convlower")
 
@@ -57,9 +62,7 @@ def evaluate_static(relation, shape_env) -> Optional[bool]:
     return None if res is None else bool(res)
 
 
-def size_hints(shape_env) -> dict:
-    """The current value of every backed size symbol."""
-    return getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
+size_hints = _versions.size_hints  # (shape_env) -> {symbol: value} of every backed size
 
 
 def guard_count(shape_env) -> int:
@@ -72,11 +75,7 @@ def guards_since(shape_env, start: int) -> list[str]:
 
 def hint(v) -> int:
     """A size's concrete value, a SymInt's hint read without installing a guard."""
-    if isinstance(v, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
-
-        return int(optimization_hint(v, fallback=8))
-    return int(v)
+    return _versions.hint(v, fallback=8) if isinstance(v, torch.SymInt) else int(v)
 
 
 def memory_format_of(t: torch.Tensor) -> torch.memory_format:
@@ -90,10 +89,9 @@ def size_oblivious():
     """Inside: the size checks torch makes with ``guard_or_false`` / ``guard_or_true`` (is a
     size 1? are these strides contiguous?) take their general answer, valid for every size,
     instead of installing a guard on a backed size.  Checks whose answer changes the result
-    (``bool()`` of a SymBool) still guard.  (``backed_size_oblivious``, experimental config.)"""
-    from torch.fx.experimental import _config
-
-    with _config.patch(backed_size_oblivious=True):
+    (``bool()`` of a SymBool) still guard.  (``backed_size_oblivious``, experimental config;
+    a torch without it guards instead: same result, maybe more recompiles.)"""
+    with _versions.size_oblivious():
         yield
 
 

@@ -4,7 +4,8 @@
 * imports only go down the layers: tools/__main__ -> backend -> selection -> decompositions ->
   lowerings -> observe -> leaves (version, torch_internals, device, private_files);
 * private torch (``torch._inductor``, ``torch._dynamo``, ``torch._guards``, ...) only in
-  ``convlower/torch_internals.py``;
+  ``convlower/torch_internals.py`` and its version fallbacks ``convlower/torch_versions.py``,
+  which only ``torch_internals`` imports (the package does not know which torch it runs on);
 * no module over 350 lines, no function over 60.
 
 Each check is a function of a ``{module name: source}`` map, so the tests at the bottom can
@@ -27,7 +28,8 @@ MAX_FUNCTION_LINES = 60
 
 # Layer of each top-level part of the package; a module may import its own layer or lower.
 RANKS = {
-    "version": 0, "torch_internals": 0, "device": 0, "private_files": 0,  # leaves
+    "version": 0, "torch_internals": 0, "torch_versions": 0, "device": 0,  # leaves
+    "private_files": 0,
     "observe": 1,  # records, report, stats: a leaf group (over torch_internals)
     "lowerings": 2,
     "decompositions": 3,
@@ -37,8 +39,10 @@ RANKS = {
 }
 FACE = ROOT_PKG  # convlower/__init__.py re-exports from anywhere
 
-# The one module allowed to touch private torch.
+# The one module allowed to touch private torch, and its per-torch-version fallbacks (only
+# INTERNALS may import VERSIONS).
 INTERNALS = f"{ROOT_PKG}.torch_internals"
+VERSIONS = f"{ROOT_PKG}.torch_versions"
 # Private-looking torch names that are public API in practice.
 ALLOWED_PRIVATE = {
     "torch._dynamo.mark_dynamic",  # documented way to mark a dimension dynamic
@@ -259,8 +263,11 @@ def private_torch_uses(mod: Module) -> list[str]:
 
 
 def private_violations(modules: dict[str, Module]) -> list[str]:
-    return [f"{name} {use}" for name, mod in sorted(modules.items()) if name != INTERNALS
-            for use in private_torch_uses(mod)]
+    graph = import_graph(modules)
+    return [f"{name} {use}" for name, mod in sorted(modules.items())
+            if name not in (INTERNALS, VERSIONS) for use in private_torch_uses(mod)] + \
+        [f"{name} (line {graph[name][VERSIONS]}) imports {VERSIONS}: only {INTERNALS} may"
+         for name in sorted(graph) if name != INTERNALS and VERSIONS in graph[name]]
 
 
 # -- size -----------------------------------------------------------------------------------------
@@ -360,13 +367,15 @@ def test_private_torch_check_fails_outside_torch_internals():
            "from torch import _guards\nfrom torch.fx import Graph\n"
            "def f(x):\n    torch._dynamo.mark_dynamic(x, 0)\n    v = torch.__version__\n"
            "    T._prims_common.x(x)\n    return torch._C._get_tracing_state()\n")
-    mods = synthetic({f"{ROOT_PKG}.backend.x": src, INTERNALS: src})
+    mods = synthetic({f"{ROOT_PKG}.backend.x": src, INTERNALS: src, VERSIONS: src,
+                      f"{ROOT_PKG}.backend.y": "def f():\n    from .. import torch_versions\n"})
     assert private_violations(mods) == [
         f"{ROOT_PKG}.backend.x line 3: import torch._dynamo",
         f"{ROOT_PKG}.backend.x line 4: from torch._inductor import config",
         f"{ROOT_PKG}.backend.x line 5: from torch import _guards",
         f"{ROOT_PKG}.backend.x line 10: T._prims_common.x",
         f"{ROOT_PKG}.backend.x line 11: torch._C._get_tracing_state",
+        f"{ROOT_PKG}.backend.y (line 2) imports {VERSIONS}: only {INTERNALS} may",
     ]
 
 
