@@ -193,6 +193,29 @@ def test_a_raising_section_is_recorded_and_the_next_section_runs(tmp_path, monke
     assert "no kernel image" in (tmp_path / "out" / "device_check.md").read_text()
 
 
+def test_watchdog_writes_the_files_and_ends_a_run_stuck_past_its_budget(tmp_path):
+    """A row that never returns (a hung compile or kernel) cannot keep the run from leaving
+    its files: at budget + grace the watchdog writes them and exits with status 3."""
+    code = f"""if True:
+        import importlib.util, time
+        spec = importlib.util.spec_from_file_location("device_check", {SCRIPT!r})
+        dc = importlib.util.module_from_spec(spec); spec.loader.exec_module(dc)
+        args = dc.parse_args(["--device", "cpu", "--quick", "--out", {str(tmp_path)!r},
+                              "--budget-s", "1"])
+        check = dc.Check(args, dict(dc.PLANS["quick"], grace_s=0.5))
+        dc.watchdog(check)
+        time.sleep(60)  # stuck, and not interruptible by a row limit
+    """
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert time.perf_counter() - start < 50
+    r = json.loads((tmp_path / "device_check.json").read_text())
+    assert any(f.startswith("hard stop") for f in r["failures"])
+    assert "hard stop" in (tmp_path / "device_check.md").read_text()
+
+
 def test_config_keys_missing_in_this_torch_are_noted_not_fatal():
     dc = load_device_check()
 
