@@ -84,6 +84,12 @@ def memory_format_of(t: torch.Tensor) -> torch.memory_format:
     return suggest_memory_format(t)
 
 
+def inductor_layout_opt(graph: torch.fx.Graph, is_inference: bool) -> bool:
+    """Inductor's layout decision (2-D convs channels-last) for ``graph`` (raises if moved)."""
+    from torch._inductor.graph import GraphLowering
+    return bool(GraphLowering.decide_layout_opt(graph.owning_module, is_inference=is_inference))
+
+
 @contextlib.contextmanager
 def size_oblivious():
     """Inside: the size checks torch makes with ``guard_or_false`` / ``guard_or_true`` (is a

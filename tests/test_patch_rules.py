@@ -95,7 +95,8 @@ def test_ineligible_convs_are_left_alone(conv):
     assert has_conv(code)
     entries = convlower.report().convolutions
     assert entries and all(e["rule"] is None for e in entries)
-    assert all(v["rejected"] for e in entries for v in e["verdicts"])
+    # no lowering accepts them (eager_conv, the original as eager calls it, may: never forced)
+    assert all(v["rejected"] for e in entries for v in e["verdicts"] if v["rule"] != "eager_conv")
 
 
 def test_rejection_reasons_are_specific():

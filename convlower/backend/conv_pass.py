@@ -60,6 +60,17 @@ def _warn_once(msg: str, key: Optional[str] = None) -> None:
         log.warning(msg)
 
 
+def _layout_opt(graph: torch.fx.Graph, convs: list) -> bool:
+    """Inductor's layout decision for the graph as it arrives (a backward graph: training);
+    False (eager's layout) when torch moved it."""
+    try:
+        return bool(convs) and ti.inductor_layout_opt(graph, is_inference=not any(
+            n.target is aten.convolution_backward.default for n in convs))
+    except Exception as e:
+        _warn_once(f"convlower: Inductor's layout decision unknown ({e!r}): eager_conv is off")
+        return False
+
+
 class ConvLowerPass(ti.CustomGraphPass):
     def __init__(self, options: Options, graph_name: str = "graph"):
         self.options = options
@@ -80,12 +91,14 @@ class ConvLowerPass(ti.CustomGraphPass):
             _persist.note_pass(self.graph_name, recs)  # saved with the FX graph cache entry
 
     def _run(self, graph: torch.fx.Graph) -> list[ConvRecord]:
-        return [self._lower(graph, node) for node in list(graph.nodes)
-                if node.op == "call_function" and node.target in (
-                    aten.convolution.default, aten.convolution_backward.default)]
+        convs = [node for node in list(graph.nodes) if node.op == "call_function"
+                 and node.target in (aten.convolution.default, aten.convolution_backward.default)]
+        layout_opt = _layout_opt(graph, convs)
+        return [self._lower(graph, node, layout_opt) for node in convs]
 
-    def _lower(self, graph: torch.fx.Graph, node: torch.fx.Node) -> ConvRecord:
-        site = site_of(node, self.graph_name)
+    def _lower(self, graph: torch.fx.Graph, node: torch.fx.Node,
+               layout_opt: bool = False) -> ConvRecord:
+        site = site_of(node, self.graph_name, layout_opt)
         rec = ConvRecord(site.graph, site.phase, site.node, site.call.describe(),
                          output_mask=list(site.output_mask) if site.output_mask else None,
                          input_produced=site.input_produced,
@@ -115,7 +128,7 @@ class ConvLowerPass(ti.CustomGraphPass):
         for name in self.options.rules:
             try:
                 verdicts.append(check(RULES[name], site.call, shape_env,
-                                      allow_guards=not site.backward))
+                                      allow_guards=not site.backward, site=site))
             except Exception as e:  # a broken condition must not break the compile
                 why = f"condition check failed: {e!r}"
                 verdicts.append(Verdict(name, False, rejected=why))

@@ -21,14 +21,15 @@ def input_nodes(node: torch.fx.Node) -> list:
     return [first] + [a for a in node.args[1:3] if a is not None]
 
 
-def site_of(node: torch.fx.Node, graph_name: str) -> ConvSite:
+def site_of(node: torch.fx.Node, graph_name: str, layout_opt: bool = False) -> ConvSite:
     vals = [_val(a) for a in node.args]
     inputs = tuple(_val(a) for a in input_nodes(node))
     if node.target is torch.ops.aten.convolution_backward.default:
         call = ConvCall.from_args(vals[1:10])  # (input, weight, bias_sizes, params...)
         return ConvSite(call, call, "backward", graph_name, node.name, inputs, node.meta["val"],
                         output_mask=tuple(bool(m) for m in node.args[10]),
-                        input_produced=_produced(node.args[0]), output_consumed=False)
+                        input_produced=_produced(node.args[0]), output_consumed=False,
+                        layout_opt=layout_opt)
     folded = fold_pad(node)
     original = ConvCall.from_args(vals)
     # Is the activation made by an op of this graph, or a graph input with a fixed layout?
@@ -37,7 +38,8 @@ def site_of(node: torch.fx.Node, graph_name: str) -> ConvSite:
                     node.name, inputs, node.meta["val"],
                     pad_fold=folded.fold if folded else None,
                     input_produced=_produced(folded.source if folded else node.args[0]),
-                    output_consumed=all(u.op != "output" for u in node.users))
+                    output_consumed=all(u.op != "output" for u in node.users),
+                    layout_opt=layout_opt)
 
 
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default,

@@ -37,12 +37,17 @@ def convolution(rule: Rule, call: ConvCall, compute_dtype=None) -> Callable:
     def fn(x, weight, bias=None):
         return rule.emit(call, x, weight, bias)
 
-    return _in_compute_dtype(fn, compute_dtype)
+    return _in_compute_dtype(fn, compute_dtype if rule.follows_compute_dtype else None)
 
 
 def convolution_backward(rule: Rule, call: ConvCall, output_mask: Sequence[bool],
                          compute_dtype=None) -> Callable:
-    """``(grad_out, x, weight) -> (grad_x, grad_weight, grad_bias)`` (None where not wanted)."""
+    """``(grad_out, x, weight) -> (grad_x, grad_weight, grad_bias)`` (None where not wanted).
+    A rule with an opaque backward of its own (``Rule.emit_backward``) gives it instead."""
+    compute_dtype = compute_dtype if rule.follows_compute_dtype else None
+    opaque = rule.emit_backward(call, output_mask)
+    if opaque is not None:
+        return _in_compute_dtype(opaque, compute_dtype)
     want_x, want_w, want_b = (bool(m) for m in output_mask)
 
     def fn(grad_out, x, weight):

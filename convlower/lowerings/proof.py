@@ -63,11 +63,16 @@ def _install_guard(relation, shape_env) -> None:
     shape_env.evaluate_expr(sympy.sympify(relation))
 
 
-def check(rule: Rule, call: ConvCall, shape_env=None, allow_guards: bool = True) -> Verdict:
-    """Decide whether ``rule`` may lower ``call``.  Installs no guard: a chosen verdict's
+def check(rule: Rule, call: ConvCall, shape_env=None, allow_guards: bool = True,
+          site=None) -> Verdict:
+    """Decide whether ``rule`` may lower ``call`` (at ``site``, when the pass knows it: then
+    the rule's site conditions count too).  Installs no guard: a chosen verdict's
     unprovable facts are installed by :meth:`Verdict.install_guards`."""
     verdict = Verdict(rule.name, eligible=False)
-    for cond in rule.conditions(call):
+    conditions = rule.conditions(call)
+    if site is not None:
+        conditions = conditions + rule.site_conditions(site)
+    for cond in conditions:
         value = _static_value(cond.relation, shape_env)
         if value is True:
             verdict.proven.append(cond.text)

@@ -12,7 +12,7 @@ splices them, selection times them).  A rule also states where it is known to wi
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import sympy
 import torch
@@ -109,6 +109,8 @@ class Rule:
     name: str = ""
     summary: str = ""
     emission: str = ""  # defaults to ``name``
+    lowers: bool = True  # False: keeps the original computation; select="always" skips it
+    follows_compute_dtype: bool = True  # runs in the opt-in ``compute_dtype``
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
@@ -123,6 +125,16 @@ class Rule:
         """The convolution's value, computed the lowered way.  ``c`` carries the parameters;
         ``x``, ``weight``, ``bias`` are the tensors to compute with (their sizes may be SymInts)."""
         raise NotImplementedError
+
+    def site_conditions(self, site) -> list[Condition]:
+        """Conditions on the conv's place in its graph (a ``ConvSite``: its context, Inductor's
+        layout decision), checked with :meth:`conditions` when a site is known."""
+        return []
+
+    def emit_backward(self, c: ConvCall, output_mask) -> Optional[Callable]:
+        """An opaque backward ``(grad_out, x, weight) -> (grad_x, grad_weight, grad_bias)``, or
+        None (every lowering): the backward is autograd of :meth:`emit`."""
+        return None
 
     def wins_by_construction(self, c: ConvCall) -> Optional[str]:
         """Why this rule is faster on every device without timing it (e.g. one GEMM of the

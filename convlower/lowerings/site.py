@@ -40,6 +40,7 @@ class ConvSite:
     pad_fold: Optional[PadFold] = None
     input_produced: bool = True   # activation / gradient made by an op of this graph
     output_consumed: bool = True  # forward output read by an op of this graph
+    layout_opt: bool = False      # Inductor runs this graph's 2-D convs channels-last
 
     @property
     def backward(self) -> bool:
@@ -48,7 +49,7 @@ class ConvSite:
 
 def site_of_call(call: ConvCall, phase: str = "forward", output_mask=None, *,
                  graph: str = "-", node: str = "-", input_produced: bool = True,
-                 output_consumed: bool = True) -> ConvSite:
+                 output_consumed: bool = True, layout_opt: bool = False) -> ConvSite:
     """A site for a bare call (no graph): tests, benchmarks and tools time or lower a call
     without compiling a model.  ``call``'s tensors (real, fake or meta) give the sizes."""
     import torch
@@ -62,9 +63,9 @@ def site_of_call(call: ConvCall, phase: str = "forward", output_mask=None, *,
     out = torch.ops.aten.convolution(meta(x), meta(w), meta(b), *params)
     if phase == "forward":
         return ConvSite(call, call, phase, graph, node, (x, w, b) if b is not None else (x, w),
-                        out, None, None, input_produced, output_consumed)
+                        out, None, None, input_produced, output_consumed, layout_opt)
     mask = tuple(bool(m) for m in (output_mask or (True, True, call.has_bias)))
     grad = torch.empty(out.shape, dtype=x.dtype, device=x.device)
     outs = tuple(v if m else None for v, m in zip((meta(x), meta(w), meta(b)), mask))
     return ConvSite(call, call, phase, graph, node, (grad, x, w), outs, mask, None,
-                    input_produced, False)
+                    input_produced, False, layout_opt)

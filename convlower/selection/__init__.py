@@ -5,7 +5,7 @@ original, nothing is compiled (:mod:`.auto`).  ``measure``: the same, but close 
 compiled and timed.  ``exhaustive``: every eligible conv's candidates are compiled and timed
 on the real device, dtype and layout (:mod:`.measure`; ``mode="max-autotune"`` implies it).
 ``heuristic``: each rule's own static knowledge (``Rule.heuristic``).  ``always``: the first
-eligible rule in priority order (tests, experiments).  Decisions are cached on disk.
+eligible lowering in priority order (tests, experiments; never ``eager_conv``).  Decisions are cached on disk.
 Selection knows sites and rules, never the graph pass.
 """
 from __future__ import annotations
@@ -35,8 +35,11 @@ def choose(site: ConvSite, candidates: Sequence[Rule], select: str, *, platform:
 def _choose_here(site, candidates, select, platform, compute_dtype) -> Decision:
     if not candidates:
         return Decision(None, "no rule is eligible", "none eligible")
-    if select == "always":
-        return Decision(candidates[0], "forced (select=always)", "forced")
+    if select == "always":  # forces lowerings; eager_conv (not one) is chosen by timing
+        lowering = next((r for r in candidates if r.lowers), None)
+        why = "forced (select=always)" if lowering else \
+            "forced (select=always): no lowering is eligible, kept the original"
+        return Decision(lowering, why, "forced")
     if select == "heuristic":
         return _heuristic(site, candidates, device_platform(platform, site.call.x.device))
     if select == "exhaustive":

@@ -71,20 +71,44 @@ def _cached(site, candidates, compute_dtype, by_name, measure_close):
 
 
 def judge(times: dict, by_name: dict) -> tuple[Optional[Rule], str, set]:
-    """(the clear winner or None, why, names of rules in a close call)."""
+    """(the clear winner or None, why, names of candidates in a close call).
+
+    Lowerings are judged against the original's best eager figure ("aten"); ``eager_conv``
+    against the original as Inductor will run it (``screen.INDUCTOR_LAYOUT``): it only ever
+    saves what Inductor's layout adds.  A clear lowering win comes first (it is faster than
+    the original in either layout, hence than eager's call)."""
     base = times["aten"]
     if base < screen.MIN_CONV_S:
         return None, (f"kept the original (it takes {base * 1e6:.0f} us eagerly, under the "
                       f"{screen.MIN_CONV_S * 1e6:.0f} us worth a rewrite)"), set()
-    ratios = {n: t / base for n, t in times.items() if n in by_name}
-    if not ratios:
+    ratios = {n: t / base for n, t in times.items() if n in by_name and by_name[n].lowers}
+    eager = _eager_ratio(times, by_name)
+    if not ratios and eager is None:
         return None, "no rule ran", set()
-    best = min(ratios, key=ratios.get)
     shown = ", ".join(f"{n} {r:.2f}x" for n, r in sorted(ratios.items(), key=lambda i: i[1]))
-    if ratios[best] <= screen.WIN:
+    best = min(ratios, key=ratios.get, default=None)
+    if best is not None and ratios[best] <= screen.WIN:
         return by_name[best], f"{best} takes {ratios[best]:.2f}x the original's time eagerly " \
                               f"(a clear win: <= {screen.WIN}x)", set()
+    if eager is not None:
+        name, seen = screen.EAGER_CONV.name, f"{eager[0]:.2f}x the original in Inductor's layout"
+        if eager[0] <= screen.WIN:
+            return by_name[name], (f"{name}: eager's call takes {seen} ({eager[1]}; a clear "
+                                   f"win: <= {screen.WIN}x)"), set()
+        shown = ", ".join(p for p in (shown, f"{name} {seen}") if p)
     close = {n for n, r in ratios.items() if r < screen.LOSE}
+    if eager is not None and eager[0] < screen.LOSE:
+        close.add(screen.EAGER_CONV.name)
     if not close:
         return None, f"kept the original (clear losses: {shown})", set()
     return None, f"{shown} of the original's time eagerly", close
+
+
+def _eager_ratio(times: dict, by_name: dict) -> Optional[tuple[float, str]]:
+    """(eager_conv's time / the original's in Inductor's layout, both figures), or None when
+    eager_conv was not screened."""
+    name = screen.EAGER_CONV.name
+    if name not in by_name or name not in times or screen.INDUCTOR_LAYOUT not in times:
+        return None
+    eager, inductor = times[name], times[screen.INDUCTOR_LAYOUT]
+    return eager / inductor, f"{eager * 1e3:.3g} ms vs {inductor * 1e3:.3g} ms"

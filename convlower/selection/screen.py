@@ -25,6 +25,7 @@ import torch
 
 from .. import device as _device
 from ..decompositions import emission
+from ..lowerings.eager_conv import RULE as EAGER_CONV, inductor_format
 from ..lowerings.rule import Rule
 from ..lowerings.site import ConvSite
 from . import timer as _timer
@@ -37,6 +38,9 @@ BUDGET_S = float(os.environ.get("CONVLOWER_SCREEN_BUDGET_S", "0.5"))  # per site
 # the conv and an eager figure says little about the compiled one: keep the original.
 MIN_CONV_S = float(os.environ.get("CONVLOWER_SCREEN_MIN_US", "1000")) * 1e-6
 SAMPLES = 3
+# The screen's figure of the original in the layout Inductor's compiled code will run it in
+# (timed only when that is not eager's layout and ``eager_conv`` is a candidate).
+INDUCTOR_LAYOUT = "aten_inductor_layout"
 
 # (site, candidates, compute_dtype) -> {"aten" | rule name: seconds per call}
 Screen = Callable[[ConvSite, Sequence[Rule], Optional[str]], dict]
@@ -44,17 +48,24 @@ Screen = Callable[[ConvSite, Sequence[Rule], Optional[str]], dict]
 
 def eager_screen(site: ConvSite, candidates: Sequence[Rule],
                  compute_dtype: Optional[str]) -> dict[str, float]:
-    """Eager seconds per call of the original and of each distinct emission."""
+    """Eager seconds per call of the original and of each distinct emission; with
+    ``eager_conv`` among the candidates, also the original as Inductor will run it
+    (``INDUCTOR_LAYOUT``, see :func:`_inductor_original`)."""
     args = real_inputs(site)
     fns = {"aten": _bound(emission.build(site, None), args)}
-    other = _other_layout(args) if not site.backward else None
+    lowerings = [r for r in candidates if r.lowers]
+    other = _other_layout(args) if lowerings and not site.backward else None
     if other is not None:
         fns["aten_other_layout"] = _bound(emission.build(site, None), other)
     seen = set()
-    for rule in candidates:
+    for rule in lowerings:
         if rule.emission not in seen:
             seen.add(rule.emission)
             fns[rule.name] = _bound(emission.build(site, rule, compute_dtype), args)
+    fmt = inductor_format(site)
+    if EAGER_CONV in candidates and fmt is not None:
+        fns[EAGER_CONV.name] = _bound(emission.build(site, EAGER_CONV), args)
+        fns[INDUCTOR_LAYOUT] = _inductor_original(site, args, fmt)
     share = BUDGET_S / len(fns)
     times = {label: _time(fn, share) for label, fn in fns.items()}
     if "aten_other_layout" in times:
@@ -67,6 +78,29 @@ def _bound(fn: Callable, args: list) -> Callable[[], object]:
         out = fn(*args)
         _device.sync(args[0].device)
         return out
+    return run
+
+
+def _inductor_original(site: ConvSite, args: list, fmt) -> Callable[[], object]:
+    """The original as Inductor's compiled code runs it in ``fmt`` (its layout optimisation):
+    the weight (and, backward, the saved activation) copied to ``fmt``, the activation (grad)
+    too unless an op of the graph makes it (then it is written in ``fmt`` for free), and the
+    outputs that leave the graph copied back to eager's layout."""
+    original = emission.build(site, None)
+    made = args[0].contiguous(memory_format=fmt) if site.input_produced else None
+    back = site.backward or not site.output_consumed
+
+    def run():
+        first = made if made is not None else args[0].contiguous(memory_format=fmt)
+        rest = [t.contiguous(memory_format=fmt) if t.dim() == first.dim() else t
+                for t in args[1:]]
+        out = original(first, *rest)
+        outs = out if isinstance(out, tuple) else (out,)
+        outs = [o.contiguous() if back and o is not None and o.dim() == first.dim() else o
+                for o in outs]
+        _device.sync(first.device)
+        return outs
+
     return run
 
 
