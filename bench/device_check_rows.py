@@ -215,7 +215,8 @@ def conv3d(check, spec, dtype) -> dict:
     conv = nn.Conv3d(shape[1], out_ch, k, s, p).to(check.device, dtype).eval()
     x = torch.randn(shape, device=check.device, dtype=dtype)
     call = ConvCall.from_args([x, conv.weight, conv.bias, s, p, (1, 1, 1), False, (0, 0, 0), 1])
-    rules = [r for r in RULES if prove(RULES[r], call).eligible]
+    # lowerings only: eager_conv is never forced (select="always"); "convlower" shows if chosen
+    rules = [r for r in RULES if RULES[r].lowers and prove(RULES[r], call).eligible]
     if check.plan["conv3d_max_rules"] is not None:
         rules = rules[:check.plan["conv3d_max_rules"]]
     mods = {"eager": conv, "inductor": torch.compile(conv, backend="inductor")}
