@@ -32,15 +32,16 @@ def timeit(fns: dict, rounds: int, inner: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def qwen_case(n: int, dtype, backward: bool, rounds: int):
+def qwen_case(n: int, dtype, backward: bool, rounds: int, dynamic: bool = False):
     torch.manual_seed(0)
     conv = torch.nn.Conv3d(3, 1280, (2, 14, 14), stride=(2, 14, 14), bias=False).to(dtype)
     x = torch.randn(n, 3, 2, 14, 14, dtype=dtype, requires_grad=backward)
     flat_w = conv.weight.detach().reshape(1280, -1).t().contiguous()
     flat_x = x.detach().reshape(n, -1)
+    dyn = True if dynamic else None  # dynamic: a symbolic batch (varying patch counts)
     fns = {"eager": conv,
-           "inductor": torch.compile(conv, backend="inductor"),
-           "convlower": torch.compile(conv, backend="convlower")}
+           "inductor": torch.compile(conv, backend="inductor", dynamic=dyn),
+           "convlower": torch.compile(conv, backend="convlower", dynamic=dyn)}
 
     def step(f):
         def run():
@@ -88,21 +89,27 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--patches", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--dynamic", action="store_true",
+                    help="compile with a symbolic batch size (the patch count varies per image)")
+    ap.add_argument("--no-dit", action="store_true", help="leave the DiT rows out")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; select="
           f"{convlower.backend.options.parse({}).select}")
     print(f"{'case':38s} {'eager ms':>9s} {'ind/cl':>7s} {'eager/cl':>8s} {'cl/mm':>6s}  lowered by")
-    for dtype in (torch.float32, torch.bfloat16):
+    dtypes = [getattr(torch, d) for d in args.dtypes]
+    for dtype in dtypes:
         for backward in (False, True):
             for n in args.patches:
                 torch._dynamo.reset()
                 convlower.reset_report()
-                t, lowered = qwen_case(n, dtype, backward, args.rounds)
-                name = f"qwen2.5-vl {n:5d} {str(dtype)[6:]:8s} {'fwd+bwd' if backward else 'fwd'}"
+                t, lowered = qwen_case(n, dtype, backward, args.rounds, args.dynamic)
+                name = (f"qwen2.5-vl {n:5d} {str(dtype)[6:]:8s} {'fwd+bwd' if backward else 'fwd'}"
+                        f"{' dyn' if args.dynamic else ''}")
                 print(f"{name:38s} {t['eager'] * 1e3:9.2f} {t['inductor'] / t['convlower']:7.2f} "
                       f"{t['eager'] / t['convlower']:8.2f} {t['convlower'] / t['bare mm']:6.2f}  "
                       f"{','.join(lowered)}", flush=True)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in ([] if args.no_dit else dtypes):
         torch._dynamo.reset()
         convlower.reset_report()
         t, lowered = dit_case(dtype, args.rounds)

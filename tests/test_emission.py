@@ -124,3 +124,29 @@ def test_dynamic_batch_input_is_copied_only_when_not_contiguous(layout):
     code = "\n".join(codes)
     assert "extern_kernels.mm(" in code and re.search(r"\(s\d+, 3, 2, 4, 4\)", code), code
     assert ("convlower.dense" in code) is (layout == "transposed")
+
+
+@pytest.mark.parametrize("batch", [16, 1], ids=["input larger", "weight larger"])
+def test_channels_last_input_is_flattened_as_a_view_when_the_weight_is_smaller(batch):
+    """patch_linear on a channels-last graph input: the input (the larger tensor) is read as a
+    view in its own dim order and the weight is copied into that order, forward and backward;
+    with a batch of 1 the input is the smaller one and is copied instead."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv3d(3, 4, (2, 4, 4), stride=(2, 4, 4), bias=False)
+    f = torch.compile(conv, backend="convlower",
+                      options={"rules": ["patch_linear"], "select": "always"})
+    x = torch.randn(batch, 3, 2, 4, 4).to(memory_format=torch.channels_last_3d).requires_grad_()
+    xe = x.detach().clone().requires_grad_()
+    (out, gx, gw), codes = run_and_get_code(
+        lambda: (lambda o: (o, *torch.autograd.grad(o.sum(), (x, conv.weight))))(f(x)))
+    ref = conv(xe)
+    rgx, rgw = torch.autograd.grad(ref.sum(), (xe, conv.weight))
+    for got, want in ((out, ref), (gx, rgx), (gw, rgw)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert [c.rule for c in convlower.report().convolutions] == ["patch_linear"] * 2
+    view = re.compile(rf"mm\(reinterpret_tensor\((primals|arg)\w*, \({batch}, 96\), \(96, 1\), 0\)")
+    fwd = codes[0]
+    assert bool(view.search(fwd)) is (batch == 16), fwd
+    assert fwd.count("convlower.dense.default(") == 1  # the weight (batch 16) or the input (1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from typing import Optional
 
 import sympy
 import torch
@@ -52,8 +53,12 @@ def _static_contiguous(t: torch.Tensor) -> bool:
     """Contiguous, known without a guard: each stride equals the product of the later sizes as
     an expression (size-1 dims aside).  A symbolic batch size never enters that product, so a
     contiguous input with a dynamic batch is used as it is, not copied."""
+    return _contiguous(t.shape, t.stride())
+
+
+def _contiguous(shape, strides) -> bool:
     expected = sympy.Integer(1)
-    for size, stride in reversed(list(zip(t.shape, t.stride()))):
+    for size, stride in reversed(list(zip(shape, strides))):
         size = sym(size)
         if size == 1:
             continue
@@ -61,6 +66,21 @@ def _static_contiguous(t: torch.Tensor) -> bool:
             return False
         expected = expected * size
     return True
+
+
+def dense_order(t: torch.Tensor) -> Optional[tuple]:
+    """The order of dims (batch first) in which ``t`` is contiguous, when ``t`` is not
+    contiguous but dense in another order (channels-last): ``t.permute(order)`` is a dense view,
+    no copy.  None when ``t`` is contiguous, or not dense in any order with the batch outermost
+    (static strides only), or where a copy of ``t`` fuses into its producer (not opaque)."""
+    strides = t.stride()
+    if not _OPAQUE.get() or _static_contiguous(t) or \
+            not all(isinstance(s, int) for s in strides):
+        return None
+    order = (0, *sorted(range(1, t.dim()), key=lambda d: -strides[d]))
+    if _contiguous([t.shape[d] for d in order], [strides[d] for d in order]):
+        return order
+    return None
 
 
 @torch.library.custom_op("convlower::dense", mutates_args=())

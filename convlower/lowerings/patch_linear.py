@@ -10,6 +10,9 @@ Conditions.  Not transposed; groups == 1; per spatial dim: ``size + 2*padding ==
 (dilation == 1 or kernel == 1).
 
 Emission.  ``addmm(bias, x.reshape(N, -1), w_cropped.reshape(O, -1).T).view(N, O, 1, ..., 1)``.
+The flatten of ``x`` is a view when ``x`` is contiguous (its batch size may be symbolic); when
+``x`` is dense in another dim order (channels-last) and the weight is the smaller tensor, both
+are flattened in ``x``'s order (the weight copied, ``x`` a view); otherwise ``x`` is copied.
 This is the Qwen2.5-VL / Qwen3-VL patch embedding (input ``[patches, 3, 2, 14, 14]``).
 """
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import sympy
 import torch
 
-from .dense import dense
+from .dense import dense, dense_order
 from .rule import Condition, ConvCall, Rule, common_conditions
 
 
@@ -40,7 +43,14 @@ class PatchLinear(Rule):
         # The proven size is kernel - 2*padding; using the int keeps the emission static.
         window = tuple(slice(p, k - p) for k, p in zip(c.kernel, c.padding))
         w = weight[(slice(None), slice(None)) + window]
-        flat_w = w.reshape(out_ch, -1)
+        order = dense_order(x)
+        if order is not None and _numel(w) < _numel(x):
+            # x is dense in another dim order (channels-last): flatten it in that order, a view,
+            # and copy the smaller weight into the same order instead of copying x.
+            x, w = x.permute(order), w.permute(order)
+            flat_w = dense(w).view(out_ch, -1)
+        else:
+            flat_w = w.reshape(out_ch, -1)
         # An explicit dense copy, not reshape: reshape picks view-or-copy from the strides seen
         # while tracing, and Inductor may lay an intermediate input out differently.
         flat_x = dense(x).view(n, flat_w.shape[1])
@@ -53,6 +63,16 @@ class PatchLinear(Rule):
 
     def heuristic(self, c, platform):
         return True, "one output position: a single matrix product (3-4x on CPU)"
+
+
+def _numel(t) -> int:
+    """Elements of a tensor with static sizes (symbolic: a huge number, never "smaller")."""
+    n = 1
+    for s in t.shape:
+        if not isinstance(s, int):
+            return 1 << 62
+        n *= s
+    return n
 
 
 RULE = PatchLinear()
