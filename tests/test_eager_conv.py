@@ -89,14 +89,19 @@ def test_forward_and_backward_equal_eager(dtype, layout):
 def test_site_condition_follows_inductors_layout_decision():
     x, w, b = tensors()
     call = conv_call(x, w, b)
-    assert check(RULE, call, site=site_of_call(call, layout_opt=True)).eligible
-    why = check(RULE, call, site=site_of_call(call, layout_opt=False)).rejected
+    boundary = dict(layout_opt=True, input_produced=False)  # a graph input: Inductor copies it
+    assert check(RULE, call, site=site_of_call(call, **boundary)).eligible
+    assert check(RULE, call, site=site_of_call(call, layout_opt=True, output_consumed=False)
+                 ).eligible  # the output leaves the graph: copied back
+    why = check(RULE, call, site=site_of_call(call, input_produced=False)).rejected
     assert why == "Inductor would run the original in another layout than eager is false"
+    # inside a graph (made by an op, read by an op) channels-last costs no copy
+    assert not check(RULE, call, site=site_of_call(call, layout_opt=True)).eligible
     cl = conv_call(x.contiguous(memory_format=torch.channels_last), w, b)  # eager's layout too
-    assert not check(RULE, cl, site=site_of_call(cl, layout_opt=True)).eligible
+    assert not check(RULE, cl, site=site_of_call(cl, **boundary)).eligible
     c3 = ConvCall.from_args([torch.randn(1, 2, 4, 5, 5), torch.randn(3, 2, 3, 3, 3), None,
                              [1] * 3, [0] * 3, [1] * 3, False, [0] * 3, 1])
-    assert inductor_format(site_of_call(c3, layout_opt=True)) is None  # 3-D: as eager
+    assert inductor_format(site_of_call(c3, **boundary)) is None  # 3-D: as eager
     # Inductor's own decision on a traced graph: on by mkldnn for a CPU conv, off without one
     gm = torch.fx.symbolic_trace(torch.nn.Sequential())
     assert torch_internals.inductor_layout_opt(gm.graph, True) is False
@@ -126,7 +131,7 @@ def figures(cache):
 
 def layout_site(**kw):
     x, w, b = tensors()
-    return site_of_call(conv_call(x, w, b), layout_opt=True, **kw)
+    return site_of_call(conv_call(x, w, b), layout_opt=True, **{"input_produced": False, **kw})
 
 
 @pytest.mark.parametrize("times,chosen", [
@@ -150,7 +155,7 @@ def test_eager_screen_times_inductors_layout_only_where_it_differs():
     """The real screen adds the eager call and the original in Inductor's layout (copies of
     the activation and weight to channels-last, the output back) for a 2-D conv under layout
     optimisation, and times neither for a site Inductor runs as eager does."""
-    site = layout_site(input_produced=False, output_consumed=False)
+    site = layout_site(output_consumed=False)
     times = screen.eager_screen(site, [RULE], None)
     assert set(times) == {"aten", "eager_conv", FIG}
     assert set(screen.eager_screen(site_of_call(site.call), [RULE], None)) == {"aten"}

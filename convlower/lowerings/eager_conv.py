@@ -17,8 +17,9 @@ is off for it altogether.
 
 Conditions.  Not transposed, in_channels per group > 0 (as every rule), and, at a graph site,
 that Inductor would run the original in another layout than eager: layout optimisation on for
-the graph, a 2-D conv, an activation not already channels-last (:func:`inductor_format`).
-Elsewhere the op would run the same kernel as Inductor's original plus a custom op's call.
+the graph, a 2-D conv, an activation not already channels-last, a layout copy at the graph's
+boundary (:func:`inductor_format`).  Elsewhere the op would run the same kernel as Inductor's
+original plus a custom op's call.
 
 It is not a lowering: ``select="always"`` never forces it; the screen (``auto``), measurement
 (``measure``, ``exhaustive``) or the heuristic table choose it (selection/screen.py).
@@ -101,9 +102,14 @@ _eager_conv.register_autograd(_autograd_backward, setup_context=_setup)
 
 def inductor_format(site) -> Optional[torch.memory_format]:
     """The memory format Inductor's compiled original runs ``site`` in when it is not eager's
-    (``channels_last``: layout optimisation on, a 2-D conv, an activation eager runs in the
-    contiguous format), else None."""
+    and that costs layout copies (``channels_last``: layout optimisation on, a 2-D conv, an
+    activation eager runs in the contiguous format, and a copy at the graph's boundary: the
+    activation is a graph input or an output leaves the graph), else None.  Inside a graph
+    a producer writes channels-last for free and a consumer reads it: no copy to save, and
+    the screen's cost (milliseconds per conv) is not spent there."""
     if not getattr(site, "layout_opt", False) or site.call.ndim != 2:
+        return None
+    if site.input_produced and not site.backward and site.output_consumed:
         return None
     x = site.inputs[1] if site.backward else site.inputs[0]
     if ti.memory_format_of(x) == torch.channels_last:
