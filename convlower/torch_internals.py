@@ -90,18 +90,32 @@ def inductor_layout_opt(graph: torch.fx.Graph, is_inference: bool) -> bool:
     return bool(GraphLowering.decide_layout_opt(graph.owning_module, is_inference=is_inference))
 
 
-@contextlib.contextmanager
-def size_oblivious():
-    """Inside: the size checks torch makes with ``guard_or_false`` / ``guard_or_true`` (is a
-    size 1? are these strides contiguous?) take their general answer, valid for every size,
-    instead of installing a guard on a backed size.  Checks whose answer changes the result
-    (``bool()`` of a SymBool) still guard.  (``backed_size_oblivious``, experimental config;
-    a torch without it guards instead: same result, maybe more recompiles.)"""
-    with _versions.size_oblivious():
-        yield
+# A context: torch's own size checks take their general answer instead of a guard (see there).
+size_oblivious = _versions.size_oblivious
 
 
 # -- tracing and compiling -------------------------------------------------------------------------
+@contextlib.contextmanager
+def own_tracing_context(values):
+    """A compile of its own inside an enclosing one (a region of a larger graph): a fresh
+    TracingContext on the values' fake mode, so AOTAutograd's per-graph metadata (also that of
+    the lazily compiled backward) is this graph's; size guards still land in the shared
+    ShapeEnv, hence in the enclosing frame's guards."""
+    from torch._guards import TracingContext, tracing
+
+    mode = values_fake_mode(values)
+    with tracing(TracingContext(mode) if mode is not None else None):
+        yield
+
+
+def values_fake_mode(values):
+    """The fake mode the fake tensors in ``values`` were made in (not the enclosing trace's,
+    which ``detect_fake_mode`` would prefer), or None."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return next((v.fake_mode for v in values if isinstance(v, FakeTensor)), None)
+
+
 def trace_aten(fn: Callable, values: list) -> torch.fx.GraphModule:
     """Trace ``fn`` on ``values`` into an aten graph (Inductor's replacement tracer), in the
     values' own fake mode when they are fake."""
@@ -196,6 +210,9 @@ def compilation_metrics() -> list:
         return list(get_compilation_metrics())
     except Exception:
         return []
+
+
+compile_cache_counts = _versions.cache_counts  # (CompilationMetrics) -> {"fx_graph_hit": n, ...}
 
 
 def counters() -> dict[str, dict[str, int]]:

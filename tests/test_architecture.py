@@ -31,7 +31,7 @@ RANKS = {
     "version": 0, "torch_internals": 0, "torch_versions": 0, "device": 0,  # leaves
     "private_files": 0,
     "observe": 1,  # records, report, stats: a leaf group (over torch_internals)
-    "lowerings": 2,
+    "lowerings": 2, "regions": 2,  # regions: a room of its own, the backend hands it a compiler
     "decompositions": 3,
     "selection": 4,
     "backend": 5,

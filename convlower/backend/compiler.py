@@ -10,6 +10,7 @@ in the Dynamo graph are routed (snake_pass.py): on HIP + bf16 they become an opa
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 from typing import Optional
 
@@ -19,6 +20,7 @@ from .. import torch_internals as ti
 from ..observe import persist as _persist
 from ..observe import records as _records
 from ..observe import stats as _stats
+from ..regions import compile_regions
 from ..selection import cache_dir
 from . import options as _options
 from .conv_pass import ConvLowerPass
@@ -58,6 +60,17 @@ def convlower_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[s
                       options: Optional[dict] = None):
     """A ``torch.compile`` backend (entry point ``convlower``)."""
     opts = _options.parse(options, mode=mode)
+    if opts.regions != "off":  # each repeated block compiled once (regions/), else whole
+        context = json.dumps({"options": opts.key(), "mode": mode}, sort_keys=True)
+        split = compile_regions(gm, opts.regions, context=context,
+                                compile_graph=lambda g, x: _compile_graph(g, x, mode, opts))
+        if split is not None:
+            return split
+    return _compile_graph(gm, example_inputs, mode, opts)
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str], opts):
+    """One graph through convlower: Snake routing, then Inductor with the conv pass."""
     name = f"graph{next(_graph_ids)}"
     try:  # before AOTAutograd, so an eager-safe Snake's backward stays opaque too
         route_snakes(gm, opts, name)

@@ -28,6 +28,7 @@ ENV = {
     "platform": "CONVLOWER_PLATFORM",
     "compute_dtype": "CONVLOWER_COMPUTE_DTYPE",
     "fallback": "CONVLOWER_FALLBACK",
+    "regions": "CONVLOWER_REGIONS",
 }
 
 
@@ -44,10 +45,13 @@ class Options:
     compute_dtype: Optional[str] = None
     fallback: str = "error"
     inductor: tuple[tuple[str, Any], ...] = ()  # Inductor config keys passed through
+    regions: Any = "off"  # "off" | "auto" | tuple of block class names (docs/regions.md)
 
     def key(self) -> dict:
-        """What identifies these settings in cache keys (JSON-ready)."""
+        """What identifies these settings in cache keys (JSON-ready).  ``regions`` only
+        decides which graphs are compiled, not what a graph compiles to: left out."""
         d = dataclasses.asdict(self)
+        d.pop("regions")
         d["inductor"] = [[k, repr(v)] for k, v in self.inductor]
         return d
 
@@ -104,7 +108,21 @@ def parse(options: Optional[dict] = None, env: Optional[dict] = None,
         compute_dtype=_choice("compute_dtype", ours.get("compute_dtype"), COMPUTE_DTYPES),
         fallback=_choice("fallback", ours.get("fallback", "error"), FALLBACKS),
         inductor=inductor,
+        regions=_parse_regions(ours.get("regions", "off")),
     )
+
+
+def _parse_regions(value):
+    if isinstance(value, str) and value.strip() in ("off", "auto"):
+        return value.strip()
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(value, (list, tuple)) and value and all(
+            isinstance(v, str) and v.isidentifier() for v in value):
+        return tuple(value)
+    raise OptionError(f"bad value {value!r} for convlower option 'regions'; valid values: "
+                      f"'off', 'auto', or a list of module class names (e.g. "
+                      f"['ResnetBlock2D', 'BasicTransformerBlock'])")
 
 
 def _inductor_passthrough(rest: dict) -> tuple[tuple[str, Any], ...]:

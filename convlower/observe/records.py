@@ -87,7 +87,22 @@ class CompileRecord(_Record):
     summary: str = ""
 
 
-KINDS = {"convolutions": ConvRecord, "snake": SnakeRecord, "compiles": CompileRecord}
+@dataclasses.dataclass
+class RegionRecord(_Record):
+    """One part of a graph split into regions (regions/): compiled, reused or run as is."""
+
+    graph: str
+    part: str
+    block: str                      # the region's module class, "(glue)" between regions
+    signature: str                  # parts with one signature share one compiled function
+    nodes: int
+    how: str                        # "compiled" | "reused" | "runs as is (views only)"
+    compile_s: float
+    shared_from: str = ""           # the part that compiled the code a reused part calls
+
+
+KINDS = {"convolutions": ConvRecord, "snake": SnakeRecord, "compiles": CompileRecord,
+         "regions": RegionRecord}
 
 _lock = threading.Lock()
 _records: dict[str, list] = {kind: [] for kind in KINDS}

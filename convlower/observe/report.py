@@ -85,6 +85,10 @@ class Report:
         return self._data.get("snake", [])
 
     @property
+    def regions(self) -> list[_records.RegionRecord]:
+        return self._data.get("regions", [])
+
+    @property
     def compiles(self) -> list[_records.CompileRecord]:
         return self._data.get("compiles", [])
 
@@ -103,6 +107,8 @@ class Report:
             rows = [[s.graph, s.node, s.variant, s.dtype, s.route, s.why] for s in self.snake]
             parts.append("snake sites:\n" + _fmt_table(
                 rows, ["graph", "node", "variant", "dtype", "route", "why"], flexible=(5,)))
+        if self.regions:
+            parts.append(self._region_table())
         seen, gbs = set(), []
         for b in (b for s in self.compiles for b in s.graph_breaks):
             key = (b.get("location"), b.get("reason"))
@@ -113,6 +119,23 @@ class Report:
             parts.append(f"graph breaks ({len(gbs)}):\n" + "\n".join("  " + g for g in gbs))
         parts += [_wrap_phrases(s.summary) for s in self.compiles if s.summary]
         return "\n\n".join(parts)
+
+    def _region_table(self) -> str:
+        """One row per distinct region: block, signature, instances, compiled once / reused."""
+        rows: dict = {}
+        for r in self.regions:
+            if not r.signature:
+                continue
+            row = rows.setdefault(r.signature, [r.block, r.signature, 0, 0, 0.0, r.nodes])
+            row[2] += 1
+            row[3] += r.how == "reused"
+            row[4] += r.compile_s
+        table = [[b, s, str(n), f"once, reused {k}x" if n > 1 else "once", f"{t:.2f}", str(nodes)]
+                 for b, s, n, k, t, nodes in rows.values()]
+        views = sum(1 for r in self.regions if not r.signature)
+        head = ["block", "signature", "instances", "compiled", "compile s", "nodes"]
+        return (f"regions ({len(self.regions)} parts, {len(rows)} compiled, {views} run as "
+                f"is):\n" + _fmt_table(table, head, flexible=(0,)))
 
     def _conv_table(self) -> str:
         if not self.convolutions:

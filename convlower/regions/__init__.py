@@ -1,0 +1,113 @@
+"""Regions: compile each repeated block once and call that code for every instance.
+
+A step ahead of convlower's passes (docs/regions.md).  The backend hands its Dynamo graph to
+:func:`compile_regions`; the graph is split along repeated module instances (blocks.py,
+partition.py), every part that is not plain data movement is compiled by the function the
+backend passes in (the usual convlower pipeline: conv rules and Snake routing apply inside
+regions), and parts with one signature (signature.py) share one compiled function, within a
+graph and across graphs of this process.  The passes never know regions exist.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.fx
+
+from .. import torch_internals as ti
+from ..observe import records as _records
+from .blocks import Setting, assign
+from .partition import Part, split
+from .signature import signature
+
+__all__ = ["compile_regions", "clear", "Setting"]
+
+
+@dataclasses.dataclass
+class _Compiled:
+    fn: Callable
+    first: str          # the split graph and part that compiled it
+
+
+_lock = threading.Lock()
+_compiled: dict[str, _Compiled] = {}    # signature -> compiled function
+_names = iter(range(1 << 62))
+
+
+def clear() -> None:
+    """Forget every compiled part (the next compile of a region compiles again)."""
+    with _lock:
+        _compiled.clear()
+
+
+class _Call(torch.nn.Module):
+    """A compiled part in the split graph, in place of the submodule it replaces."""
+
+    def __init__(self, fn: Callable, part: str):
+        super().__init__()
+        self.fn, self.part = fn, part
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def _inputs(sub: torch.fx.GraphModule) -> list:
+    return [n.meta.get("example_value", n.meta.get("val"))
+            for n in sub.graph.nodes if n.op == "placeholder"]
+
+
+def _context(base: str, inputs: list) -> str:
+    # Symbolic sizes mean something only in their own shape environment.
+    env = ti.shape_env_of([v for v in inputs if isinstance(v, torch.Tensor)])
+    symbolic = any(isinstance(v, torch.SymInt) for v in inputs) or any(
+        isinstance(s, torch.SymInt) for v in inputs if isinstance(v, torch.Tensor)
+        for s in (*v.shape, *v.stride()))
+    return f"{base}|grad={torch.is_grad_enabled()}|env={id(env) if symbolic else ''}"
+
+
+def _compiled_part(sub, inputs: list, key: str, label: str, compile_graph) -> tuple:
+    with _lock:
+        hit = _compiled.get(key)
+    if hit is not None:
+        return hit.fn, "reused", 0.0, hit.first
+    start = time.perf_counter()
+    with ti.own_tracing_context(inputs):
+        fn = compile_graph(sub, inputs)
+    with _lock:
+        _compiled.setdefault(key, _Compiled(fn, label))
+    return fn, "compiled", time.perf_counter() - start, ""
+
+
+def compile_regions(gm: torch.fx.GraphModule, setting: Setting, compile_graph: Callable,
+                    context: str = "") -> Optional[torch.fx.GraphModule]:
+    """``gm`` split into region and glue parts, each compiled with ``compile_graph(part,
+    example_inputs)`` or sharing the function an identical part compiled; None when
+    ``setting`` finds no region in ``gm`` (the caller then compiles the graph whole).
+    ``context`` names what else the compiled code depends on (options, mode)."""
+    owner = assign(gm, setting)
+    if not any(owner.values()):
+        return None
+    split_gm, parts = split(gm, owner)
+    name = f"regions{next(_names)}"
+    for part in parts:
+        sub = split_gm.get_submodule(part.name)
+        if part.region is None and part.only_views:
+            _note(name, part, "", "runs as is (views only)", 0.0, "")
+            continue
+        inputs = _inputs(sub)
+        key = signature(sub, inputs, _context(context, inputs))
+        fn, how, spent, first = _compiled_part(sub, inputs, key, f"{name}.{part.name}",
+                                               compile_graph)
+        setattr(split_gm, part.name, _Call(fn, part.name))
+        _note(name, part, key, how, spent, first)
+    split_gm.recompile()
+    return split_gm
+
+
+def _note(graph: str, part: Part, key: str, how: str, spent: float, first: str) -> None:
+    _records.record(_records.RegionRecord(
+        graph=graph, part=part.name, block=part.block or "(glue)", signature=key,
+        nodes=part.nodes, how=how, compile_s=round(spent, 3), shared_from=first))

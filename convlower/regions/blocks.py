@@ -1,0 +1,79 @@
+"""Which module instances become regions, read from Dynamo's ``nn_module_stack`` per node.
+
+* a list of class names: every outermost instance of those classes;
+* ``"auto"``: the classes a model lists in ``_repeated_blocks`` (diffusers' convention), plus
+  every instance of a user class (not ``torch.nn``'s own layers) whose computation, shapes
+  included, repeats at least twice in the graph; outer instances are preferred, so a repeated
+  transformer stack is one region, not one per layer.  An instance seen only once is not a
+  region: compiling it apart would share nothing and only cut fusion.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Optional, Union
+
+import torch.fx
+
+from .signature import signature_of_nodes
+
+Setting = Union[str, tuple]
+
+
+def stack_of(node: torch.fx.Node) -> list[tuple[str, str]]:
+    """``[(instance key, class name), ...]`` outermost first (empty for graph inputs)."""
+    out = []
+    for key, value in (node.meta.get("nn_module_stack") or {}).items():
+        cls = value[1] if isinstance(value, tuple) and len(value) > 1 else value
+        out.append((key, cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]))
+    return out
+
+
+def _classes(node: torch.fx.Node) -> list:
+    return [v[1] for v in (node.meta.get("nn_module_stack") or {}).values()
+            if isinstance(v, tuple) and len(v) > 1]
+
+
+def declared_blocks(gm: torch.fx.GraphModule) -> set[str]:
+    """Class names some module of the graph lists in ``_repeated_blocks``."""
+    names: set[str] = set()
+    for n in gm.graph.nodes:
+        for cls in _classes(n):
+            names.update(getattr(cls, "_repeated_blocks", None) or ())
+    return names
+
+
+def _user_class(cls) -> bool:
+    module = getattr(cls, "__module__", "") if isinstance(cls, type) else str(cls)
+    return not module.startswith("torch.")
+
+
+def _compute_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+
+
+def assign(gm: torch.fx.GraphModule, setting: Setting) -> dict[torch.fx.Node, Optional[str]]:
+    """For each compute node, the key of the region instance it belongs to (None: glue)."""
+    nodes = _compute_nodes(gm)
+    wanted = set(setting) if isinstance(setting, tuple) else declared_blocks(gm)
+    repeated = _repeated_instances(gm, nodes) if setting == "auto" else set()
+    out: dict = {}
+    for n in nodes:
+        out[n] = next((k for k, name in stack_of(n) if name in wanted or k in repeated), None)
+    return out
+
+
+def _repeated_instances(gm: torch.fx.GraphModule, nodes: list) -> set[str]:
+    members: dict[str, list] = collections.defaultdict(list)
+    cls_of: dict[str, object] = {}
+    for n in nodes:
+        meta = n.meta.get("nn_module_stack") or {}
+        for key, value in meta.items():
+            if isinstance(value, tuple) and len(value) > 1 and _user_class(value[1]):
+                members[key].append(n)
+                cls_of[key] = value[1]
+    by_sig: dict = collections.Counter()
+    sig_of = {}
+    for key, group in members.items():
+        sig_of[key] = (cls_of[key], signature_of_nodes(group))
+        by_sig[sig_of[key]] += 1
+    return {k for k, s in sig_of.items() if by_sig[s] >= 2}

@@ -1,0 +1,58 @@
+"""Split a Dynamo graph along region instances: one part per contiguous run of nodes of one
+instance (a region part) or of no region (a glue part), in graph order, so the parts run one
+after another and each depends only on earlier ones."""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Optional
+
+import torch
+import torch.fx
+from torch.fx.passes.split_module import split_module
+
+from .blocks import stack_of
+
+# Glue that only moves or views data runs as it is (no compile): a compile would cost more
+# than it saves.  Anything else is compiled like a region.
+VIEW_METHODS = {"view", "reshape", "permute", "transpose", "unsqueeze", "squeeze", "flatten",
+                "size", "chunk", "split", "expand", "contiguous", "unflatten", "dim"}
+VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.permute, torch.transpose,
+                  torch.unsqueeze, torch.squeeze, torch.flatten, torch.chunk, torch.split}
+
+
+@dataclasses.dataclass
+class Part:
+    name: str                  # the submodule's name in the split graph
+    region: Optional[str]      # instance key, or None for glue
+    block: str                 # the region's class name ("" for glue)
+    nodes: int
+    only_views: bool
+
+
+def _only_views(nodes: list[torch.fx.Node]) -> bool:
+    return all((n.op == "call_method" and n.target in VIEW_METHODS)
+               or (n.op == "call_function" and n.target in VIEW_FUNCTIONS) for n in nodes)
+
+
+def split(gm: torch.fx.GraphModule, owner: dict) -> tuple[torch.fx.GraphModule, list[Part]]:
+    """``owner``: compute node -> region instance key or None.  Returns the split graph (its
+    submodules ``submod_<i>`` called in order) and one :class:`Part` per submodule."""
+    run_of: dict[torch.fx.Node, int] = {}
+    runs: list[list] = []
+    last = object()
+    for n in gm.graph.nodes:
+        if n not in owner:
+            continue
+        if owner[n] != last:
+            runs.append([])
+            last = owner[n]
+        runs[-1].append(n)
+        run_of[n] = len(runs) - 1
+    split_gm = split_module(gm, None, lambda n: run_of[n], keep_original_order=True)
+    parts = []
+    for i, run in enumerate(runs):
+        region = owner[run[0]]
+        block = next((name for key, name in stack_of(run[0]) if key == region), "")
+        parts.append(Part(f"submod_{i}", region, block, len(run), _only_views(run)))
+    return split_gm, parts

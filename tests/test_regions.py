@@ -1,0 +1,175 @@
+"""Regions (convlower/regions): each repeated block compiled once, called for every instance."""
+import collections
+
+import pytest
+import torch
+from torch import nn
+
+import convlower
+from convlower import regions
+from convlower.backend.options import OptionError, parse
+
+from helpers import assert_close, compare_with_eager
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class Stack(nn.Module):
+    """Three identical blocks, one of another width between projections."""
+
+    def __init__(self, dim=16, wide=24, hook=False):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(3)])
+        self.up, self.wide, self.down = nn.Linear(dim, wide), Block(wide), nn.Linear(wide, dim)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.down(self.wide(self.up(x)))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_regions():
+    regions.clear()
+    yield
+    regions.clear()
+
+
+def _parts():
+    return collections.Counter((r["block"], r["how"]) for r in convlower.report().to_dict()["regions"])
+
+
+def _compile(model, regions_setting="auto", **opts):
+    return torch.compile(model, backend="convlower", options={"regions": regions_setting, **opts})
+
+
+def test_auto_compiles_a_repeated_block_once_and_leaves_a_unique_one_in_the_glue():
+    m, x = Stack().eval(), torch.randn(2, 5, 16)
+    with torch.no_grad():
+        out = _compile(m)(x)
+        torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+    parts = _parts()
+    assert parts[("Block", "compiled")] == 1 and parts[("Block", "reused")] == 2, parts
+    assert sum(n for (block, _), n in parts.items() if block == "Block") == 3  # not the wide one
+    assert parts[("(glue)", "compiled")] >= 1
+
+
+def test_same_class_with_other_shapes_never_shares_code():
+    m, x = Stack().eval(), torch.randn(2, 5, 16)
+    with torch.no_grad():
+        out = _compile(m, ["Block"])(x)
+        torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+    recs = [r for r in convlower.report().to_dict()["regions"] if r["block"] == "Block"]
+    assert len(recs) == 4
+    assert len({r["signature"] for r in recs}) == 2  # the wide block has its own
+    assert [r["how"] for r in recs].count("compiled") == 2
+
+
+def test_a_hook_on_one_instance_gives_it_its_own_code_and_is_honoured():
+    m, x = Stack().eval(), torch.randn(2, 5, 16)
+    m.blocks[1].register_forward_hook(lambda mod, args, out: out * 2.0)
+    with torch.no_grad():
+        out = _compile(m, ["Block"])(x)
+        torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+    sigs = [r["signature"] for r in convlower.report().to_dict()["regions"] if r["block"] == "Block"]
+    assert sigs[0] == sigs[2] and sigs[1] != sigs[0], sigs
+
+
+def test_new_weights_after_compile_are_used_without_a_recompile():
+    m, x = Stack().eval(), torch.randn(2, 5, 16)
+    compiled = _compile(m)
+    with torch.no_grad():
+        compiled(x)
+        before = len(convlower.report().to_dict()["regions"])
+        new = {k: torch.randn_like(v) for k, v in m.state_dict().items()}
+        m.load_state_dict(new)
+        m.blocks[2].fc1.weight.mul_(3.0)  # a LoRA-style in-place update of one instance
+        assert_close(compiled(x), m(x), rel=1e-5)
+    assert len(convlower.report().to_dict()["regions"]) == before  # nothing compiled again
+
+
+def test_training_through_regions_matches_eager():
+    compare_with_eager(Stack(), torch.randn(2, 5, 16), options={"regions": "auto"}, rel=1e-5)
+    assert _parts()[("Block", "reused")] == 2
+
+
+class BreakInside(Block):
+    def forward(self, x):
+        y = self.fc1(self.norm(x))
+        torch._dynamo.graph_break()
+        return x + self.fc2(torch.nn.functional.gelu(y))
+
+
+class Broken(nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (Block(dim) for _ in range(4))
+        self.e, self.f = BreakInside(dim), BreakInside(dim)
+
+    def forward(self, x):
+        x = self.b(self.a(x))
+        torch._dynamo.graph_break()  # between blocks: two graphs, one compiled block
+        return self.f(self.e(self.d(self.c(x))))
+
+
+def test_graph_breaks_between_and_inside_blocks():
+    compare_with_eager(Broken(), torch.randn(2, 5, 16), options={"regions": "auto"}, rel=1e-5)
+    parts = _parts()
+    # a, b in the first graph, c, d in the second: one compile serves all four
+    assert parts[("Block", "compiled")] == 1 and parts[("Block", "reused")] == 3, parts
+
+
+def test_dynamic_batch_does_not_multiply_compiles_per_instance():
+    m = Stack().eval()
+    compiled = torch.compile(m, backend="convlower", options={"regions": "auto"}, dynamic=True)
+    with torch.no_grad():
+        for batch in (2, 3, 5):
+            x = torch.randn(batch, 5, 16)
+            torch.testing.assert_close(compiled(x), m(x), rtol=1e-5, atol=1e-5)
+    parts = _parts()
+    assert parts[("Block", "compiled")] == 1, parts  # one symbolic compile serves all batches
+
+
+def test_a_model_without_repeated_blocks_is_compiled_whole():
+    m, x = Block(16).eval(), torch.randn(2, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(_compile(m)(x), m(x), rtol=1e-5, atol=1e-5)
+    assert convlower.report().to_dict()["regions"] == []
+
+
+class ConvBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Conv2d(4, 4, 2, stride=2)  # kernel == stride: patchify_mm
+
+    def forward(self, x):
+        return torch.nn.functional.interpolate(self.patch(x), scale_factor=2.0) + x
+
+
+def test_conv_rules_apply_inside_regions():
+    m = nn.Sequential(ConvBlock(), ConvBlock(), ConvBlock())
+    compare_with_eager(m, torch.randn(1, 4, 8, 8), options={"regions": "auto", "select": "always"},
+                       rel=1e-5)
+    report = convlower.report()
+    assert {c.rule for c in report.convolutions} == {"patchify_mm"}
+    assert _parts()[("ConvBlock", "reused")] == 2
+    assert "regions" in str(report)
+
+
+def test_regions_option_values():
+    assert parse({"regions": "auto"}, env={}).regions == "auto"
+    assert parse({"regions": ["ResnetBlock2D"]}, env={}).regions == ("ResnetBlock2D",)
+    assert parse({}, env={"CONVLOWER_REGIONS": "A,B"}).regions == ("A", "B")
+    assert parse({}, env={}).regions == "off"
+    with pytest.raises(OptionError, match="regions"):
+        parse({"regions": 3}, env={})
+    with pytest.raises(OptionError, match="regions"):
+        parse({"regions": ["not a name"]}, env={})
