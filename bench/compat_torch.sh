@@ -63,7 +63,7 @@ PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" CONVLOWER_CACHE_DIR="$PWD/$VENV/con
   "$@" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 secs=$(( $(date +%s) - start ))
-summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error)|(passed|failed|error|skipped).* in [0-9.]+s' "$log" | tail -1 |
+summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error|skipped|deselected)|(passed|failed|error|skipped|deselected).* in [0-9.]+s' "$log" | tail -1 |
           sed -E 's/^=+ //; s/ =+$//; s/ in [0-9.]+s.*$//')
 verdict=$([ "$rc" -eq 0 ] && echo PASS || echo FAIL)
 echo "compat torch $have: $verdict (${summary:-no test summary, pytest exit $rc}) in $secs s"

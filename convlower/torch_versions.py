@@ -11,6 +11,7 @@ path it can; tests/test_torch_versions.py simulates every older API on the pinne
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import re
 from typing import Optional
@@ -33,7 +34,7 @@ def parse_version(text: str) -> Optional[tuple[int, int]]:
 
 
 def _missing_features() -> list[str]:
-    """The private torch APIs the compile cannot do without and that no fallback replaces."""
+    """The torch APIs the compile cannot do without and that no fallback replaces."""
     missing = []
     try:
         from torch._inductor import config
@@ -42,8 +43,11 @@ def _missing_features() -> list[str]:
         return [f"torch._inductor ({e})"]
     if not hasattr(config, "post_grad_custom_pre_pass"):
         missing.append("torch._inductor.config.post_grad_custom_pre_pass")
-    if not hasattr(torch.library, "custom_op"):
+    custom_op = getattr(torch.library, "custom_op", None)
+    if custom_op is None:
         missing.append("torch.library.custom_op")
+    elif "tags" not in inspect.signature(custom_op).parameters:  # torch < 2.8
+        missing.append("torch.library.custom_op(tags=...)")
     return missing
 
 
@@ -76,23 +80,23 @@ def require_supported() -> None:
 
 # -- fallbacks -------------------------------------------------------------------------------------
 def size_hints(shape_env) -> dict:
-    """The current value of every backed size symbol: ``backed_var_to_val`` (torch >= 2.10),
-    else ``var_to_val`` (the same map under its older name)."""
+    """The current value of every backed size symbol: ``backed_var_to_val``, else
+    ``var_to_val`` (the same map under its older name, torch 2.8)."""
     backed = getattr(shape_env, "backed_var_to_val", None)
     return backed if backed is not None else shape_env.var_to_val
 
 
 def hint(v: torch.SymInt, fallback: int = 8) -> int:
     """A SymInt's hint without a guard (``fallback`` for an unbacked size):
-    ``optimization_hint`` (torch >= 2.13), else the module function ``size_hint`` (2.9 - 2.12),
-    else ``SymNode.require_hint`` (older)."""
+    ``optimization_hint`` (torch >= 2.13), else the module function ``size_hint`` (2.11),
+    else ``SymNode.require_hint`` when the size has a hint (2.8)."""
     from torch.fx.experimental import symbolic_shapes
 
     for name in ("optimization_hint", "size_hint"):
         fn = getattr(symbolic_shapes, name, None)
         if fn is not None:
             return int(fn(v, fallback=fallback))
-    return int(v.node.require_hint(fallback))
+    return int(v.node.require_hint()) if v.node.has_hint() else fallback
 
 
 def shape_config():
@@ -102,10 +106,25 @@ def shape_config():
 
 
 def size_oblivious():
-    """Size checks take their general answer instead of a guard on a backed size
-    (``backed_size_oblivious``, torch >= 2.9); where the config does not exist, nothing
-    changes: the result is the same, the compile may add guards (recompile more often)."""
+    """A context inside which the size checks torch makes with ``guard_or_false`` /
+    ``guard_or_true`` (is a size 1? are these strides contiguous?) take their general answer,
+    valid for every size, instead of installing a guard on a backed size; checks whose answer
+    changes the result (``bool()`` of a SymBool) still guard (``backed_size_oblivious``, an
+    experimental config).  A torch without it (2.8) guards instead: the same result, maybe
+    more recompiles."""
     config = shape_config()
     if not hasattr(config, "backed_size_oblivious"):
         return contextlib.nullcontext()
     return config.patch(backed_size_oblivious=True)
+
+
+_CACHE_FIELDS = {"fx_graph_hit": "inductor_fx_local_cache_hit_count",
+                 "fx_graph_miss": "inductor_fx_local_cache_miss_count",
+                 "aot_autograd_hit": "aotautograd_local_cache_hit_count",
+                 "aot_autograd_miss": "aotautograd_local_cache_miss_count"}
+
+
+def cache_counts(metrics) -> dict[str, int]:
+    """FX graph / AOTAutograd cache hits and misses of one ``CompilationMetrics`` entry; a
+    torch whose entries lack these fields (2.8) counts 0 (observe only: never raise)."""
+    return {key: getattr(metrics, field, None) or 0 for key, field in _CACHE_FIELDS.items()}

@@ -5,13 +5,21 @@ compiles than Inductor, the conv lowered at every size; the recorded guards are 
 
 One torch artefact remains on CPU builds with NNPACK: a conv2d with a symbolic batch guards
 ``batch < 16`` (torch's conv backend choice, the same guard a plain Conv2d with a dynamic batch
-gets under Inductor); the Conv3d rules that batch frames into a conv2d inherit it."""
+gets under Inductor); the Conv3d rules that batch frames into a conv2d inherit it.  Older torch
+(< 2.13, no size-oblivious answer to some of its own conv size checks) adds more such
+``emission:`` guards: there the goldens hold up to those (see :func:`assert_guards`)."""
+import re
+
 import pytest
 import torch
 from expecttest import assert_expected_inline
 from torch._dynamo.utils import counters
 
 import convlower
+from convlower.torch_versions import parse_version
+
+# The goldens were recorded on torch 2.13 and hold exactly on 2.13 - 2.15.
+EXACT = parse_version(torch.__version__) >= (2, 13)
 
 WIDTHS = [16, 4, 12, 20, 8, 28]     # multiples of the patch kernel, == kernel included
 FRAMES = [4, 2, 6, 10, 8, 14]       # frame counts (multiples of the temporal kernel)
@@ -44,6 +52,19 @@ def guard_lines(rep) -> str:
                    f"{len(c.guards)} guards")
         out += [f"    {g}" for g in c.guards]
     return "\n".join(out)
+
+
+def assert_guards(actual: str, expect: str) -> None:
+    """``actual`` is the golden; on torch < 2.13 up to ``emission:`` guards (torch's own size
+    checks, the same a plain conv gets there): same compiles, rules and proof guards."""
+    if EXACT:
+        return assert_expected_inline(actual, expect, skip=1)
+
+    def skeleton(text):
+        return [re.sub(r": \d+ guards$", "", line) for line in text.splitlines()
+                if not line.strip().startswith("emission:")]
+
+    assert skeleton(actual) == skeleton(expect), actual
 
 
 def _check(rep, n_compiles, train):
@@ -106,7 +127,7 @@ def conv3d_sweep(rule):
 @pytest.mark.skipif(not torch.backends.nnpack.is_available(),
                     reason="the golden holds NNPACK's batch guard")
 def test_time_fold_sweep():
-    assert_expected_inline(conv3d_sweep("time_fold_conv2d"), """\
+    assert_guards(conv3d_sweep("time_fold_conv2d"), """\
 graph0 forward time_fold_conv2d: 1 guards
     emission: ((s69//2)) < 16
 graph0 backward time_fold_conv2d: 0 guards
@@ -116,13 +137,13 @@ graph1 backward time_fold_conv2d: 0 guards""")
 
 
 def test_time_unfold_sweep():
-    assert_expected_inline(conv3d_sweep("time_unfold_conv2d"), """\
+    assert_guards(conv3d_sweep("time_unfold_conv2d"), """\
 graph0 forward time_unfold_conv2d: 0 guards
 graph0 backward time_unfold_conv2d: 0 guards""")
 
 
 def test_time_sum_sweep():
-    assert_expected_inline(conv3d_sweep("time_sum_conv2d"), """\
+    assert_guards(conv3d_sweep("time_sum_conv2d"), """\
 graph0 forward time_sum_conv2d: 0 guards
 graph0 backward time_sum_conv2d: 0 guards""")
 

@@ -48,6 +48,16 @@ def test_missing_feature_is_refused(monkeypatch):
         tv.require_supported()
 
 
+def test_custom_op_without_tags_is_refused(monkeypatch):
+    """torch 2.7's custom_op takes no ``tags`` (the eager conv op needs its stride tag)."""
+    def custom_op(name, fn=None, /, *, mutates_args, device_types=None, schema=None):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(torch.library, "custom_op", custom_op)
+    reason = tv.unsupported_reason()
+    assert reason and "torch.library.custom_op(tags=...)" in reason
+
+
 def test_backend_lookup_refuses_an_old_torch_clearly():
     """torch.compile(..., backend="convlower") raises at the lookup (before any compile), with
     the supported range in the message; the model is never called."""
@@ -94,7 +104,7 @@ def test_hint_through_size_hint(monkeypatch):
         calls.append(fallback)
         return a.node.hint if a.node.hint is not None else fallback
 
-    monkeypatch.delattr(symbolic_shapes, "optimization_hint")
+    monkeypatch.delattr(symbolic_shapes, "optimization_hint", raising=False)
     monkeypatch.setattr(symbolic_shapes, "size_hint", size_hint, raising=False)
     assert ti.hint(_symint(5)) == 5 and calls == [8]
     assert ti.hint(_symint(0, backed=False)) == 8
@@ -104,14 +114,15 @@ def test_hint_through_require_hint(monkeypatch):
     """torch 2.8: neither module function; ``SymNode.require_hint(fallback)``."""
     calls = []
 
-    def require_hint(self, fallback=None):  # 2.8's body
+    def require_hint(self, fallback=None):  # 2.8's body (its fallback is not ours: unused)
         calls.append(fallback)
         return self.hint if self.hint is not None else fallback
 
-    monkeypatch.delattr(symbolic_shapes, "optimization_hint")
+    monkeypatch.delattr(symbolic_shapes, "optimization_hint", raising=False)
     monkeypatch.delattr(symbolic_shapes, "size_hint", raising=False)
     monkeypatch.setattr(sym_node.SymNode, "require_hint", require_hint, raising=False)
-    assert ti.hint(_symint(6)) == 6 and calls == [8]
+    assert ti.hint(_symint(6)) == 6 and calls == [None]
+    assert ti.hint(_symint(0, backed=False)) == 8 and calls == [None]  # no hint: not asked
 
 
 def test_size_hints_old_name():
@@ -127,9 +138,24 @@ def test_size_hints_old_name():
     assert ti.size_hints(env) == {}
 
 
+def test_cache_counts_without_the_fields():
+    """torch 2.8's CompilationMetrics has no per-compile cache counts: they read 0."""
+    full = types.SimpleNamespace(inductor_fx_local_cache_hit_count=2,
+                                 inductor_fx_local_cache_miss_count=None,
+                                 aotautograd_local_cache_hit_count=1,
+                                 aotautograd_local_cache_miss_count=3)
+    assert ti.compile_cache_counts(full) == {"fx_graph_hit": 2, "fx_graph_miss": 0,
+                                             "aot_autograd_hit": 1, "aot_autograd_miss": 3}
+    old = types.SimpleNamespace(compile_id="0/0", is_forward=True)
+    assert ti.compile_cache_counts(old) == dict.fromkeys(
+        ["fx_graph_hit", "fx_graph_miss", "aot_autograd_hit", "aot_autograd_miss"], 0)
+
+
 def test_size_oblivious_where_the_config_exists():
     from torch.fx.experimental import _config
 
+    if not hasattr(_config, "backed_size_oblivious"):
+        pytest.skip("this torch has no backed_size_oblivious (the next test's case)")
     assert not _config.backed_size_oblivious
     with ti.size_oblivious():
         assert _config.backed_size_oblivious
@@ -144,7 +170,7 @@ def test_size_oblivious_without_the_config_still_lowers(monkeypatch):
     old = types.SimpleNamespace(**{k: getattr(_config, k) for k in ("patch",)})
     monkeypatch.setattr(tv, "shape_config", lambda: old)
     with ti.size_oblivious():
-        assert not _config.backed_size_oblivious
+        assert not getattr(_config, "backed_size_oblivious", False)
     torch.manual_seed(0)
     m = torch.nn.Conv2d(4, 8, 2, stride=2)
     cm = torch.compile(m, backend="convlower", dynamic=True, options={"select": "always"})

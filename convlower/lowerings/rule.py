@@ -152,6 +152,9 @@ class Rule:
 
 def common_conditions(c: ConvCall) -> list[Condition]:
     """Conditions every rule of this package needs: a plain (not transposed) convolution with
-    at least one input channel per group (eager returns an empty result for zero channels)."""
+    at least one input channel per group (eager returns an empty result for zero channels),
+    input and weight of one dtype (eager raises otherwise; torch < 2.13 lets such a conv reach
+    the backend, and an mm would raise another error)."""
     return [Condition("not transposed", sympy.sympify(not c.transposed)),
-            Condition("in_channels per group > 0", sympy.Gt(sym(c.weight.shape[1]), 0))]
+            Condition("in_channels per group > 0", sympy.Gt(sym(c.weight.shape[1]), 0)),
+            Condition("input dtype == weight dtype", sympy.sympify(c.x.dtype == c.weight.dtype))]

@@ -210,10 +210,7 @@ def _make_record(m, events: list[dict], convs: list) -> CompileRecord:
         graph_breaks=breaks,
         recompile_reason=m.recompile_reason if phase == "forward" else None,
         total_s=round(total, 6), phases_s=phases,
-        cache={"fx_graph_hit": m.inductor_fx_local_cache_hit_count or 0,
-               "fx_graph_miss": m.inductor_fx_local_cache_miss_count or 0,
-               "aot_autograd_hit": m.aotautograd_local_cache_hit_count or 0,
-               "aot_autograd_miss": m.aotautograd_local_cache_miss_count or 0},
+        cache=ti.compile_cache_counts(m),
         rewrites=rewrites, guards=[g for c in mine for g in c.guards],
         failed=m.fail_reason.splitlines()[0] if m.fail_reason else None,
         end_time_us=m.end_time_us)
