@@ -17,6 +17,10 @@ import torch.fx
 from .signature import signature_of_nodes
 
 Setting = Union[str, tuple]
+# A smaller block is not worth a graph of its own under "auto": a compile's fixed cost (AOT
+# trace, wrapper module, a kernel build) and the fusion lost at its seams outweigh what
+# sharing it saves.  An explicit list of classes is taken as given.
+MIN_AUTO_NODES = 8
 
 
 def stack_of(node: torch.fx.Node) -> list[tuple[str, str]]:
@@ -76,4 +80,4 @@ def _repeated_instances(gm: torch.fx.GraphModule, nodes: list) -> set[str]:
     for key, group in members.items():
         sig_of[key] = (cls_of[key], signature_of_nodes(group))
         by_sig[sig_of[key]] += 1
-    return {k for k, s in sig_of.items() if by_sig[s] >= 2}
+    return {k for k, s in sig_of.items() if by_sig[s] >= 2 and len(members[k]) >= MIN_AUTO_NODES}

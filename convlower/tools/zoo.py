@@ -145,10 +145,37 @@ def _wan_dit_patch(c):
     return WanPatchEmbed(c["in_channels"], c["dim"], tuple(c["patch_size"])), (torch.randn(c["latent"]),)
 
 
+# -- wan-dit-stack ---------------------------------------------------------------------------
+class _WanDiT(nn.Module):
+    """WanTransformer3DModel with positional inputs, returning the sample."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, latent, timestep, text):
+        return self.inner(latent, timestep, text, return_dict=False)[0]
+
+
+def _wan_dit_stack(c):
+    from diffusers import WanTransformer3DModel
+
+    latent, tokens = c.pop("latent"), c.pop("tokens")
+    m = WanTransformer3DModel(**c)
+    return _WanDiT(m), (torch.randn(latent), torch.tensor([500.0] * latent[0]),
+                        torch.randn(latent[0], tokens, c["text_dim"]))
+
+
 _SDXL_COMMON = dict(
     down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
     up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
     mid_block_type="UNetMidBlock2DCrossAttn", use_linear_projection=True, layers_per_block=1)
+
+# SDXL's block layout: no attention at the first level, deeper transformer stacks below.
+_SDXL_LAYOUT = dict(
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    mid_block_type="UNetMidBlock2DCrossAttn", use_linear_projection=True, layers_per_block=2)
 
 ZOO: dict[str, Entry] = {e.name: e for e in [
     Entry("qwen2.5-vl-patch-embed",
@@ -206,6 +233,29 @@ ZOO: dict[str, Entry] = {e.name: e for e in [
                          cross_attention_dim=64, addition_time_embed_dim=32, text_embeds_dim=64,
                          tokens=16, latent=[1, 4, 32, 32])},
           _sdxl_unet, "diffusers"),
+    Entry("sdxl-unet",
+          "diffusers UNet2DConditionModel in SDXL's block layout (3 levels, attention at the "
+          "lower two, transformer depth 1/2/4 here for SDXL's 1/2/10, text_time conditioning), "
+          "narrow; the model regions (compile each repeated block once) are for.",
+          {"tiny": dict(_SDXL_LAYOUT, block_out_channels=(8, 16, 32), norm_num_groups=4,
+                        attention_head_dim=(2, 2, 4), transformer_layers_per_block=(1, 1, 2),
+                        cross_attention_dim=8, addition_time_embed_dim=4, text_embeds_dim=8,
+                        tokens=4, latent=[1, 4, 16, 16]),
+           "small": dict(_SDXL_LAYOUT, block_out_channels=(32, 64, 128), norm_num_groups=32,
+                         attention_head_dim=(2, 4, 8), transformer_layers_per_block=(1, 2, 4),
+                         cross_attention_dim=64, addition_time_embed_dim=16, text_embeds_dim=64,
+                         tokens=16, latent=[1, 4, 32, 32])},
+          _sdxl_unet, "diffusers"),
+    Entry("wan-dit-stack",
+          "diffusers WanTransformer3DModel (Wan2.1 DiT): patch embedding, a stack of identical "
+          "transformer blocks, head; narrow and shallow.",
+          {"tiny": dict(num_layers=2, num_attention_heads=2, attention_head_dim=8, in_channels=4,
+                        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, latent=[1, 4, 2, 8, 8],
+                        tokens=4),
+           "small": dict(num_layers=8, num_attention_heads=4, attention_head_dim=32, in_channels=16,
+                         out_channels=16, text_dim=64, freq_dim=64, ffn_dim=256,
+                         latent=[1, 16, 3, 16, 16], tokens=16)},
+          _wan_dit_stack, "diffusers"),
     Entry("wan-dit-patch",
           "Wan2.1 DiT patch embedding (WanTransformer3DModel.patch_embedding + tokens): "
           "Conv3d(16 -> 1536, kernel = stride = (1,2,2)); eligible for patchify_mm and the "

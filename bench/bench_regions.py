@@ -1,0 +1,202 @@
+"""Regions against whole-graph compiles: cold compile, warm load, step, break-even calls.
+
+For each model, each plan compiles in a fresh process with an empty Inductor cache (cold), then
+again in a second fresh process on that cache (warm load); a last process compiles every plan
+on its warm cache and times their steps interleaved with eager (ratios; this machine is shared),
+and checks each plan's output against eager (fp32, relative to the output's largest value).
+
+Plans: ``inductor`` (whole graph), ``convlower`` (whole graph), ``regions`` (convlower,
+``regions="auto"``), ``blocks`` (the model's own ``compile_repeated_blocks()``, diffusers,
+where it has one).  Compile seconds are ``torch.compile()`` plus the first call, minus one step.
+Break-even calls: compile seconds / (eager step - plan step).
+
+    .venv/bin/python bench/bench_regions.py                         # sdxl-unet, wan-vae, wan-dit-stack
+    .venv/bin/python bench/bench_regions.py --models sdxl-unet --size tiny --train
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.abspath(__file__)
+PLANS = ("inductor", "convlower", "regions", "blocks")
+
+
+def _build(name: str, size: str):
+    from convlower.tools import zoo
+
+    return zoo.build(name, size)
+
+
+def _own_blocks(model):
+    """The diffusers module of ``model`` that has ``compile_repeated_blocks``, or None."""
+    for m in model.modules():
+        if hasattr(m, "compile_repeated_blocks") and getattr(m, "_repeated_blocks", None):
+            return m
+    return None
+
+
+def _plan(model, plan: str):
+    import torch
+
+    if plan == "inductor":
+        return torch.compile(model, backend="inductor")
+    if plan in ("convlower", "regions"):
+        return torch.compile(model, backend="convlower",
+                             options={"regions": "auto" if plan == "regions" else "off"})
+    inner = _own_blocks(model)
+    inner.compile_repeated_blocks(backend="inductor")  # in place: the model's blocks compiled
+    return model
+
+
+def _run(fn, inputs, train: bool):
+    import torch
+
+    if not train:
+        with torch.no_grad():
+            return fn(*inputs)
+    out = fn(*inputs)
+    out.float().square().mean().backward()
+    return out
+
+
+def _steady(fn, inputs, train, n=3) -> float:
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        _run(fn, inputs, train)
+        ts.append(time.perf_counter() - t0)
+    return min(ts)
+
+
+def child_compile(name, size, plan, train) -> dict:
+    """One fresh process: the plan's compile seconds on whatever cache the env points at."""
+    import torch
+
+    model, inputs = _build(name, size)
+    model.train(train)
+    t0 = time.perf_counter()
+    fn = _plan(model, plan)
+    _run(fn, inputs, train)
+    first = time.perf_counter() - t0
+    step = _steady(fn, inputs, train, 2)
+    out = {"compile_s": max(first - step, 0.0)}
+    if plan == "regions":
+        import convlower
+
+        regs = convlower.report().to_dict()["regions"]
+        out["parts"] = len(regs)
+        out["compiled"] = sum(r["how"] == "compiled" for r in regs)
+        out["reused"] = sum(r["how"] == "reused" for r in regs)
+    return out
+
+
+def child_steps(name, size, plans, train, rounds) -> dict:
+    """Every plan (warm caches), steps interleaved with eager, and each output's error."""
+    import copy
+
+    import torch
+
+    model, inputs = _build(name, size)
+    model.train(train)
+    eager_model = copy.deepcopy(model)
+    with torch.no_grad():
+        ref = eager_model(*inputs).float()
+    fns = {"eager": eager_model}
+    errs = {}
+    for plan in plans:
+        m = copy.deepcopy(model)
+        fns[plan] = _plan(m, plan)
+        with torch.no_grad():
+            out = fns[plan](*inputs).float()
+        errs[plan] = float((out - ref).abs().max() / ref.abs().max())
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            times[k].append(_steady(fn, inputs, train, 1))
+    return {"step_s": {k: statistics.median(v) for k, v in times.items()}, "err": errs}
+
+
+def _child(args: list[str], cache: str) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, CONVLOWER_CACHE_DIR=cache + "-convlower")
+    out = subprocess.run([sys.executable, HERE, "--child", json.dumps(args)], env=env,
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        return {"error": (out.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(name, size, train, rounds) -> dict:
+    model, _ = _build(name, size)
+    plans = [p for p in PLANS if p != "blocks" or _own_blocks(model) is not None]
+    root = tempfile.mkdtemp(prefix="bench-regions-")
+    res = {"plans": plans}
+    for plan in plans:
+        cache = os.path.join(root, plan)
+        print(f"[{name}] {plan}: cold compile ...", file=sys.stderr, flush=True)
+        res[plan] = {"cold": _child(["compile", name, size, plan, train], cache)}
+        print(f"[{name}] {plan}: warm load ...", file=sys.stderr, flush=True)
+        res[plan]["warm"] = _child(["compile", name, size, plan, train], cache)
+    print(f"[{name}] steps ...", file=sys.stderr, flush=True)
+    res["steps"] = _child(["steps", name, size, plans, train, rounds], os.path.join(root, "steps"))
+    return res
+
+
+def table(name: str, res: dict) -> str:
+    steps = res["steps"].get("step_s", {})
+    eager, ind = steps.get("eager"), steps.get("inductor")
+    ind_cold = res["inductor"]["cold"].get("compile_s")
+    rows = [f"| {name} | eager | – | – | {eager * 1e3:.1f} | – | – | – | – |" if eager else ""]
+    for plan in res["plans"]:
+        cold = res[plan]["cold"].get("compile_s")
+        warm = res[plan]["warm"].get("compile_s")
+        step = steps.get(plan)
+        err = res["steps"].get("err", {}).get(plan)
+        if cold is None or step is None:
+            why = res[plan]["cold"].get("error") or res["steps"].get("error")
+            rows.append(f"| {name} | {plan} | error: {why} | | | | | | |")
+            continue
+        gain = eager - step if eager else 0.0
+        breakeven = f"{cold / gain:.0f}" if gain > 0 else "never"
+        extra = (f" ({res[plan]['cold']['compiled']} compiled / {res[plan]['cold']['reused']} "
+                 f"reused of {res[plan]['cold']['parts']})" if plan == "regions" else "")
+        rows.append(f"| {name} | {plan}{extra} | {cold:.1f} | {warm:.1f} | {step * 1e3:.1f} | "
+                    f"{cold / ind_cold:.2f} | {step / ind:.3f} | {breakeven} | {err:.1e} |")
+    return "\n".join(r for r in rows if r)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="sdxl-unet,wan-vae,wan-dit-stack")
+    ap.add_argument("--size", default="small", choices=("tiny", "small"))
+    ap.add_argument("--train", action="store_true", help="forward+backward instead of forward")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--json", help="write the raw figures here")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        kind, *rest = json.loads(a.child)
+        fn = child_compile if kind == "compile" else child_steps
+        args = rest if kind == "compile" else rest[:4] + [a.rounds]
+        print(json.dumps(fn(*args)))
+        return
+    print("| model | plan | cold compile s | warm load s | step ms | cold / Inductor | "
+          "step / Inductor | break-even calls | max err vs eager |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    raw = {}
+    for name in a.models.split(","):
+        raw[name] = measure(name, a.size, a.train, a.rounds)
+        print(table(name, raw[name]), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(raw, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
