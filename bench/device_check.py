@@ -65,7 +65,7 @@ for _p in (REPO, HERE):  # convlower from this tree; the sibling bench modules
 import torch  # noqa: E402
 
 from device_check_report import markdown, summary_line, table_row  # noqa: E402,F401
-from device_check_tests import finish_tests, parse_junit, start_tests  # noqa: E402,F401
+from device_check_tests import finish_tests, parse_junit, parse_verbose, start_tests  # noqa: E402,F401
 
 try:
     import convlower

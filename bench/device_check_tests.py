@@ -7,6 +7,7 @@ import collections
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,7 +35,7 @@ def start_tests(check) -> dict:
                CONVLOWER_TEST_ZOO_MODEL=check.args.zoo_model or check.plan["zoo_model"],
                CONVLOWER_TEST_ZOO_SIZE=check.plan["zoo_size"])
     timeout = max(20.0, min(check.plan["tests_timeout_s"], check.remaining() - RESERVE_S - 5))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rs", "-m", "gpu", "-p", "no:cacheprovider",
            "-p", "no:logging", os.path.join("tests", "test_gpu.py"), f"--junitxml={junit}"]
     check.log(f"tests: {' '.join(cmd[2:])} (timeout {timeout:.0f} s)")
     log = open(os.path.join(res_dir, "pytest.log"), "w+", encoding="utf-8")
@@ -72,9 +73,12 @@ def finish_tests(check, run: dict) -> None:
 def _record(check, run: dict, tests: dict) -> None:
     tests["wall_s"] = round(time.perf_counter() - run["t0"], 2)
     run["log"].seek(0)
-    tests["output_tail"] = run["log"].read()[-4000:]
+    log = run["log"].read()
+    tests["output_tail"] = log[-4000:]
     run["log"].close()
     tests.update(parse_junit(run["junit"]))
+    if not tests["tests"]:  # no JUnit file (a pytest stopped at its timeout): the -v lines
+        tests.update(parse_verbose(log))
     counts = tests.get("counts", {})
     if tests.get("timed_out_after_s") or tests.get("returncode", 0) is None:
         tests["status"] = "timed out"
@@ -116,6 +120,20 @@ def parse_junit(path: str) -> dict:
         tests.append({"name": case.get("name"), "outcome": outcome,
                       "seconds": round(float(case.get("time") or 0), 2), "message": message})
     return {"counts": dict(counts), "tests": tests}
+
+
+VERBOSE = re.compile(r"^(?:\S+::)?(\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.M)
+
+
+def parse_verbose(log: str) -> dict:
+    """Outcomes from ``pytest -v`` lines (``tests/x.py::name[id] PASSED [ 4%]``)."""
+    tests, counts = [], collections.Counter()
+    for name, outcome in VERBOSE.findall(log):
+        outcome = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error"}.get(
+            outcome, outcome.lower())
+        counts[outcome] += 1
+        tests.append({"name": name, "outcome": outcome, "seconds": None, "message": ""})
+    return {"counts": dict(counts), "tests": tests, "from": "pytest -v output (no JUnit file)"}
 
 
 def read_compile_figures(res_dir: str) -> dict:

@@ -137,6 +137,12 @@ def test_table_marks_rejected_and_failed_variants_and_junit_parsing(tmp_path):
     got = dc.parse_junit(str(xml))
     assert got["counts"] == {"passed": 1, "skipped": 1, "failed": 1}
     assert [t["outcome"] for t in got["tests"]] == ["passed", "skipped", "failed"]
+    # a pytest stopped at its timeout leaves no JUnit file: its -v lines still count
+    log = ("tests/test_gpu.py::test_rule[patch_linear-bfloat16-contiguous] PASSED   [  4%]\n"
+           "tests/test_gpu.py::test_snake[hip-eager] FAILED                         [  8%]\n")
+    got = dc.parse_verbose(log)
+    assert got["counts"] == {"passed": 1, "failed": 1}
+    assert got["tests"][0]["name"] == "test_rule[patch_linear-bfloat16-contiguous]"
 
 
 # ------------------------------------------------------------------------------ survival
