@@ -13,13 +13,17 @@ from helpers import assert_close, compare_with_eager
 
 
 class Block(nn.Module):
+    """Ten graph nodes: over regions.blocks.MIN_AUTO_NODES, so "auto" may take it."""
+
     def __init__(self, dim):
         super().__init__()
-        self.norm = nn.LayerNorm(dim)
+        self.norm, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.fc3, self.fc4 = nn.Linear(dim, dim), nn.Linear(dim, dim)
 
     def forward(self, x):
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+        x = x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+        return x + self.fc4(torch.nn.functional.silu(self.fc3(self.norm2(x))))
 
 
 class Stack(nn.Module):
@@ -105,7 +109,7 @@ class BreakInside(Block):
     def forward(self, x):
         y = self.fc1(self.norm(x))
         torch._dynamo.graph_break()
-        return x + self.fc2(torch.nn.functional.gelu(y))
+        return super().forward(x + self.fc2(torch.nn.functional.gelu(y)))
 
 
 class Broken(nn.Module):
@@ -149,9 +153,11 @@ class ConvBlock(nn.Module):
     def __init__(self):
         super().__init__()
         self.patch = nn.Conv2d(4, 4, 2, stride=2)  # kernel == stride: patchify_mm
+        self.norm = nn.GroupNorm(2, 4)
 
     def forward(self, x):
-        return torch.nn.functional.interpolate(self.patch(x), scale_factor=2.0) + x
+        y = torch.nn.functional.interpolate(self.patch(self.norm(x)), scale_factor=2.0)
+        return torch.sigmoid(y) * x + torch.tanh(y) - x.mean() * 0.5 + 1.0
 
 
 def test_conv_rules_apply_inside_regions():
@@ -162,6 +168,23 @@ def test_conv_rules_apply_inside_regions():
     assert {c.rule for c in report.convolutions} == {"patchify_mm"}
     assert _parts()[("ConvBlock", "reused")] == 2
     assert "regions" in str(report)
+
+
+def test_auto_leaves_small_blocks_in_the_glue():
+    from convlower.regions.blocks import MIN_AUTO_NODES
+
+    class Small(nn.Module):
+        def forward(self, x):
+            return torch.relu(x) + 1.0
+
+    m = nn.Sequential(*(Small() for _ in range(4)))
+    with torch.no_grad():
+        torch.compile(m, backend="convlower", options={"regions": "auto"})(torch.randn(4))
+    assert MIN_AUTO_NODES > 2 and convlower.report().to_dict()["regions"] == []
+    regions.clear()
+    with torch.no_grad():  # named explicitly, it is a region all the same
+        torch.compile(m, backend="convlower", options={"regions": ["Small"]})(torch.randn(4))
+    assert _parts()[("Small", "reused")] == 3
 
 
 def test_regions_option_values():
