@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     s = sub.add_parser("spike", help="should I compile this model, and with what?",
                        description="Run MODEL eagerly and under backend='inductor' and "
-                       "backend='convlower' (interleaved, one process); report compile times, "
+                       "backend='convlower' (whole graph, and with regions: each repeated block compiled once; "
+                       "interleaved, one process); report compile times, "
                        "step times, break-even calls, graph breaks, recompiles, lowered convs, "
                        "errors against eager and a verdict.")
     s.add_argument("model", nargs="?", default=zoo.DEFAULT, metavar="MODEL",
@@ -42,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--backward", action="store_true", help="time forward + backward")
     s.add_argument("--options", default="{}", metavar="JSON",
                    help="convlower options as JSON; Inductor keys also go to backend='inductor'")
+    s.add_argument("--session-calls", type=int, default=1000, metavar="N",
+                   help="name the plan with the least total time for a session of N calls "
+                        "(default 1000)")
     s.add_argument("--json", metavar="OUT", help="write every measurement as JSON")
     s.add_argument("--plot", metavar="OUT.png", help="draw cumulative time against calls "
                    "(default: convlower-spike-MODEL.png in the temp folder, if matplotlib is installed)")
@@ -80,7 +84,8 @@ def spike(args) -> int:
             return _fail(f"cannot write {path!r}: folder {folder!r} does not exist")
     cfg = SpikeConfig(model=args.model, size=args.size, dtype=args.dtype, device=args.device,
                       runs=args.runs, warmup=args.warmup, dynamic=args.dynamic,
-                      backward=args.backward, options=options, progress=not args.quiet)
+                      backward=args.backward, options=options, progress=not args.quiet,
+                      session_calls=args.session_calls)
     if not args.plot and not args.no_plot and _have_matplotlib():
         safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in args.model)
         args.plot = os.path.join(tempfile.gettempdir(), f"convlower-spike-{safe}.png")

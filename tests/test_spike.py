@@ -57,7 +57,7 @@ def test_spike_end_to_end(factories, tmp_path, capsys):
     assert (res["dtype"], res["device"], res["runs"], res["warmup"]) == ("float32", "cpu", 4, 1)
     assert res["steady_state_compiles"] == 0
     b = res["backends"]
-    assert set(b) == {"eager", "inductor", "convlower"}
+    assert set(b) == {"eager", "inductor", "convlower", "convlower-regions"}
     assert len(b["eager"]["steps_s"]) == 4 and b["eager"]["step_median_s"] > 0
     for name in ("inductor", "convlower"):
         r = b[name]
@@ -91,7 +91,9 @@ def test_spike_end_to_end(factories, tmp_path, capsys):
     assert convs and convs[0]["input"] == "1x4x4x8x8" and convs[0]["kernel"] == "2x2x2"
     assert sum(b["convlower"]["lowered_by_rule"].values()) == sum(1 for c in convs if c["rule"])
     assert b["inductor"]["lowered_by_rule"] == {}
-    assert res["recommendation"]["backend"] in ("eager", "inductor", "convlower")
+    assert res["recommendation"]["backend"] in ("eager", "inductor", "convlower", "convlower-regions")
+    assert b["convlower-regions"]["regions"]["parts"] == 0  # one conv: no repeated block
+    assert res["recommendation"]["session"]["plan"] in ("eager",) + tuple(b)
     # the PNG is a real image
     png = out_png.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and res["plot"] == str(out_png)
@@ -211,6 +213,22 @@ def test_recommendation_prefers_session_load_then_the_faster_step():
     rec = recommend({"inductor": _result("inductor", "dont", 1.0),
                      "convlower": {"backend": "convlower", "verdict_code": "failed"}})
     assert rec["backend"] == "eager" and "stay eager" in rec["text"]
+
+
+def test_plan_for_a_session_is_the_least_total_time():
+    from convlower.tools.spike_report import plan_for_session
+
+    res = {"eager": {"step_median_s": 1.0},
+           "inductor": {"cold_compile_s": 60.0, "warm_compile_s": 7.0, "step_median_s": 0.88},
+           "convlower": {"error": "failed"},
+           "convlower-regions": {"cold_compile_s": 20.0, "warm_compile_s": 2.0, "step_median_s": 0.9}}
+    assert plan_for_session(res, 10)["plan"] == "eager"          # 10 s eager vs 29 s
+    short = plan_for_session(res, 300)                              # 300 vs 290 vs 284 s
+    assert short["plan"] == "convlower-regions"
+    assert short["totals_s"]["inductor"]["cold"] == pytest.approx(60 + 0.88 * 300)
+    assert "convlower" not in short["totals_s"]                      # a failed plan is no answer
+    assert plan_for_session(res, 10_000)["plan"] == "inductor"       # the faster step wins long
+    assert "session of 300 calls" in recommend(res, 300)["text"]
 
 
 def test_spike_error_on_bad_settings():

@@ -31,6 +31,7 @@ from .. import torch_internals as ti
 from ..backend.options import OptionError, parse
 from ..observe import stats
 from ..observe.report import report as conv_report, reset_report
+from ..regions import clear as clear_regions
 from ..version import __version__
 from . import zoo
 from .amortize import amortize
@@ -53,6 +54,7 @@ class SpikeConfig:
     backward: bool = False
     options: dict = dataclasses.field(default_factory=dict)  # convlower options
     progress: bool = True
+    session_calls: int = 1000  # the session length the recommendation names a plan for
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -155,7 +157,7 @@ def run_spike(cfg: SpikeConfig) -> dict:
         "warmup": cfg.warmup, "dynamic": cfg.dynamic, "backward": cfg.backward,
         "options": _jsonable(cfg.options), "torch": torch.__version__, "convlower": __version__,
         "steady_state_compiles": steady["frames_compiled"],
-        "backends": results, "recommendation": recommend(results),
+        "backends": results, "recommendation": recommend(results, cfg.session_calls),
     }
 
 
@@ -215,7 +217,8 @@ def _compile(run: Runner, backend: str, inductor_options: dict,
 def _cold_compile(run, backend, inductor_options, progress, res) -> dict:
     progress.say(f"{backend}: cold compile (caches off)")
     torch.compiler.reset()
-    if backend == "convlower":
+    clear_regions()  # compiled regions are shared within a process: a cold compile starts empty
+    if backend.startswith("convlower"):
         reset_report()
     with ti.inductor_caches_off(), compile_counts() as counts, \
             stats.window() as window, warnings.catch_warnings():
@@ -224,6 +227,12 @@ def _cold_compile(run, backend, inductor_options, progress, res) -> dict:
         res["cold_first_call_s"], _ = run.timed(backend)
         run.step(backend)  # a second call shows recompiles (e.g. state changed by call 1)
     res.update(counts)
+    if backend == "convlower-regions":
+        regs = conv_report().to_dict().get("regions", [])
+        res["regions"] = {"parts": len(regs), "compiled": sum(r["how"] == "compiled" for r in regs),
+                          "reused": sum(r["how"] == "reused" for r in regs)}
+        rules = [c.rule for c in conv_report().convolutions if c.rule]
+        res["lowered_by_rule"] = {r: rules.count(r) for r in sorted(set(rules))}
     if backend != "convlower":
         return {}
     totals = stats.totals(window.records)
@@ -235,6 +244,7 @@ def _cold_compile(run, backend, inductor_options, progress, res) -> dict:
 def _warm_compile(run, backend, inductor_options, progress, res) -> None:
     progress.say(f"{backend}: warm compile (caches on)")
     torch.compiler.reset()
+    clear_regions()
     with compile_counts() as fill:
         run.compile(backend, inductor_options)
         first, _ = run.timed(backend)

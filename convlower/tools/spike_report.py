@@ -9,19 +9,44 @@ from .amortize import DONT
 from .spike_runner import COMPILED, SpikeError
 
 
-def recommend(results: dict) -> dict:
-    """The answer: which backend (if any) to compile with, and when."""
+def plan_for_session(results: dict, calls: int) -> dict:
+    """The plan with the least total time over a session of ``calls`` calls: its cold compile
+    plus ``calls`` steps (eager: the steps alone); the warm-load total beside it."""
+    if "eager" not in results:
+        return {"calls": calls, "plan": None, "plan_warm": None, "text": "", "totals_s": {}}
+    eager = results["eager"]["step_median_s"] * calls
+    totals = {"eager": (eager, eager)}
+    for b in COMPILED:
+        r = results.get(b, {})
+        if r.get("error") is None and r.get("cold_compile_s") is not None:
+            steps = r["step_median_s"] * calls
+            totals[b] = (r["cold_compile_s"] + steps, r["warm_compile_s"] + steps)
+    best = min(totals, key=lambda b: totals[b][0])
+    warm = min(totals, key=lambda b: totals[b][1])
+    text = (f"for a session of {calls} calls: {best} ({totals[best][0]:.3g} s in all, eager "
+            f"{eager:.3g} s)" + (f"; with caches warm from a session-load warm-up: {warm} "
+                                 f"({totals[warm][1]:.3g} s)" if warm != best else ""))
+    return {"calls": calls, "plan": best, "plan_warm": warm, "text": text,
+            "totals_s": {b: {"cold": c, "warm": w} for b, (c, w) in totals.items()}}
+
+
+def recommend(results: dict, session_calls: int = 1000) -> dict:
+    """The answer: which backend (if any) to compile with, and when; and which plan has the
+    least total time over a session of ``session_calls`` calls."""
+    session = plan_for_session(results, session_calls)
     ranked = [results[b] for b in COMPILED
-              if results[b].get("verdict_code") in ("session_load", "long_sessions")]
+              if results.get(b, {}).get("verdict_code") in ("session_load", "long_sessions")]
     if not ranked:
-        return {"backend": "eager", "verdict": DONT,
-                "text": "stay eager: no backend is worth its compile time here"}
+        return {"backend": "eager", "verdict": DONT, "session": session,
+                "text": "; ".join(t for t in ("stay eager: no backend is worth its compile time "
+                                              "here", session["text"]) if t)}
     order = {"session_load": 0, "long_sessions": 1}
     best = min(ranked, key=lambda r: (order[r["verdict_code"]], r["step_median_s"]))
-    return {"backend": best["backend"], "verdict": best["verdict"],
-            "text": f"backend={best['backend']!r}: {best['verdict']} ({best['speedup']:+.0%} vs "
+    return {"backend": best["backend"], "verdict": best["verdict"], "session": session,
+            "text": f"{best['backend']}: {best['verdict']} ({best['speedup']:+.0%} vs "
                     f"eager, break-even after {best['break_even_calls']} calls cold, "
-                    f"{best['break_even_calls_warm']} warm)"}
+                    f"{best['break_even_calls_warm']} warm)"
+                    + (f"; {session['text']}" if session["text"] else "")}
 
 
 def _ms(s: Optional[float]) -> str:

@@ -17,8 +17,10 @@ from .. import torch_internals as ti
 from ..device import sync, tensors
 from ..observe import stats
 
-BACKENDS = ("eager", "inductor", "convlower")
-COMPILED = ("inductor", "convlower")
+BACKENDS = ("eager", "inductor", "convlower", "convlower-regions")
+# Plans compiled and compared: Inductor and convlower on the whole graph, and convlower with
+# each repeated block compiled once (options regions="auto", or the caller's class list).
+COMPILED = ("inductor", "convlower", "convlower-regions")
 
 
 class SpikeError(Exception):
@@ -93,10 +95,14 @@ class Runner:
 
     def compile(self, backend: str, inductor_options: dict):
         kw: dict[str, Any] = {"dynamic": True if self.cfg.dynamic else None}
-        opts = self.cfg.options if backend == "convlower" else inductor_options
+        opts = dict(self.cfg.options) if backend.startswith("convlower") else inductor_options
+        if backend.startswith("convlower"):
+            given = self.cfg.options.get("regions", "off")
+            opts["regions"] = "off" if backend == "convlower" else (
+                given if given not in ("off", None) else "auto")
         if opts:
             kw["options"] = dict(opts)
-        self.compiled[backend] = torch.compile(self.model, backend=backend, **kw)
+        self.compiled[backend] = torch.compile(self.model, backend=backend.split("-")[0], **kw)
 
     def step(self, backend: str):
         fn = self.model if backend == "eager" else self.compiled[backend]
