@@ -121,6 +121,7 @@ def rel_err(a, b):
 
 
 def bench_shape(name, dtype_name, rounds):
+    torch._dynamo.reset()  # each row compiles its own variants: Dynamo's per-code limit is per row
     shape, out_ch, k, s, p = ALL_SHAPES[name]
     dtype, nd = DTYPES[dtype_name], len(k)
     torch.manual_seed(0)
