@@ -7,6 +7,8 @@ a compiled conv really runs the opaque ops forward and backward.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -208,3 +210,8 @@ def test_compiled_graph_runs_the_opaque_ops_forward_and_backward(figures):
     assert "convlower.eager_conv.default" in fwd and "convolution(" not in fwd
     assert "convlower.eager_conv_backward.default" in bwd
     assert "convolution_backward" not in bwd.replace("eager_conv_backward", "")
+    # The ops get the graph's own tensors, in eager's strides (exact-strides tag): no layout
+    # copy is generated even with layout optimisation forced.
+    assert re.search(r"eager_conv\.default\(primals_\d+, primals_\d+", fwd), fwd
+    assert re.search(r"eager_conv_backward\.default\(tangents_1, primals_\d+, primals_\d+", bwd)
+    assert "cpp_fused" not in fwd + bwd
