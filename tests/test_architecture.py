@@ -4,8 +4,9 @@
 * imports only go down the layers: tools/__main__ -> backend -> selection -> decompositions ->
   lowerings -> observe -> leaves (version, torch_internals, device, private_files);
 * private torch (``torch._inductor``, ``torch._dynamo``, ``torch._guards``, ...) only in
-  ``convlower/torch_internals.py`` and its version fallbacks ``convlower/torch_versions.py``,
-  which only ``torch_internals`` imports (the package does not know which torch it runs on);
+  ``convlower/torch_internals.py`` and the two parts it re-exports, its version fallbacks
+  ``convlower/torch_versions.py`` and Inductor's caches ``convlower/torch_caches.py``, which
+  only ``torch_internals`` imports (the package does not know which torch it runs on);
 * no module over 350 lines, no function over 60.
 
 Each check is a function of a ``{module name: source}`` map, so the tests at the bottom can
@@ -28,8 +29,8 @@ MAX_FUNCTION_LINES = 60
 
 # Layer of each top-level part of the package; a module may import its own layer or lower.
 RANKS = {
-    "version": 0, "torch_internals": 0, "torch_versions": 0, "device": 0,  # leaves
-    "private_files": 0,
+    "version": 0, "torch_internals": 0, "torch_versions": 0, "torch_caches": 0,  # leaves
+    "device": 0, "private_files": 0,
     "observe": 1,  # records, report, stats: a leaf group (over torch_internals)
     "lowerings": 2, "regions": 2,  # regions: a room of its own, the backend hands it a compiler
     "decompositions": 3,
@@ -39,10 +40,11 @@ RANKS = {
 }
 FACE = ROOT_PKG  # convlower/__init__.py re-exports from anywhere
 
-# The one module allowed to touch private torch, and its per-torch-version fallbacks (only
-# INTERNALS may import VERSIONS).
+# The one module allowed to touch private torch, and the parts it re-exports (only INTERNALS
+# may import them): its per-torch-version fallbacks and Inductor's caches.
 INTERNALS = f"{ROOT_PKG}.torch_internals"
 VERSIONS = f"{ROOT_PKG}.torch_versions"
+PARTS = (VERSIONS, f"{ROOT_PKG}.torch_caches")
 # Private-looking torch names that are public API in practice.
 ALLOWED_PRIVATE = {
     "torch._dynamo.mark_dynamic",  # documented way to mark a dimension dynamic
@@ -265,9 +267,9 @@ def private_torch_uses(mod: Module) -> list[str]:
 def private_violations(modules: dict[str, Module]) -> list[str]:
     graph = import_graph(modules)
     return [f"{name} {use}" for name, mod in sorted(modules.items())
-            if name not in (INTERNALS, VERSIONS) for use in private_torch_uses(mod)] + \
-        [f"{name} (line {graph[name][VERSIONS]}) imports {VERSIONS}: only {INTERNALS} may"
-         for name in sorted(graph) if name != INTERNALS and VERSIONS in graph[name]]
+            if name not in (INTERNALS, *PARTS) for use in private_torch_uses(mod)] + \
+        [f"{name} (line {graph[name][part]}) imports {part}: only {INTERNALS} may"
+         for name in sorted(graph) for part in PARTS if name != INTERNALS and part in graph[name]]
 
 
 # -- size -----------------------------------------------------------------------------------------

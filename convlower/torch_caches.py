@@ -1,0 +1,113 @@
+"""Inductor's caches, as convlower's statistics and warm-up see them: where they live, clearing
+and switching them off, and hooks on the FX graph cache (which entry a compile saved or was
+served).  Part of the adapter to torch internals: only ``torch_internals`` imports this module
+and re-exports its functions (tests/test_architecture.py checks both).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Callable, Optional
+
+import torch
+
+log = logging.getLogger("convlower")
+
+
+def clear_inductor_caches() -> None:
+    """Forget Inductor's in-memory caches (after its cache directory changed)."""
+    try:
+        from torch._inductor.utils import clear_caches
+
+        clear_caches()
+    except Exception:
+        pass
+
+
+def inductor_cache_dir() -> Optional[str]:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        return cache_dir()
+    except Exception:
+        return None
+
+
+def caches_disabled() -> bool:
+    """Whether Inductor's caches are forced off (config or TORCHINDUCTOR_FORCE_DISABLE_CACHES)."""
+    try:
+        return bool(torch._inductor.config.force_disable_caches)
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def inductor_caches_off():
+    """Inductor's caches off inside (a cold compile)."""
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(force_disable_caches=True):
+        yield
+
+
+# -- FX graph cache: which entry a compile saved or was served (observe only: never raise) ------
+_cache_hooks: dict[str, list] = {"lookup": [], "save": []}
+
+
+def post_grad_pass():
+    """The post-grad custom pass in Inductor's config now (the compile's own, or None)."""
+    try:
+        return torch._inductor.config.post_grad_custom_pre_pass
+    except Exception:
+        return None
+
+
+def cached_graph_guards(graph) -> str:
+    """The guard expression an FX-graph-cache entry is stored under (one key holds one entry
+    per guard set); set on a compiled graph when it is saved or loaded."""
+    return getattr(graph, "guards_expr", None) or ""
+
+
+def _run_hooks(kind: str, *args) -> None:
+    for fn in _cache_hooks[kind]:
+        try:
+            fn(*args)
+        except Exception as e:
+            log.warning("convlower: FX graph cache %s hook failed: %r", kind, e)
+
+
+def on_fx_graph_cache(on_lookup: Callable, on_save: Callable) -> bool:
+    """After each lookup in Inductor's FX graph cache call ``on_lookup(key, graph, backward)``
+    (``graph`` None on a miss), after each save ``on_save(key, graph)``.  Lookups made for an
+    AOTAutograd cache hit (its forward and backward entries) pass here too."""
+    try:
+        import inspect
+
+        from torch._inductor.codecache import FxGraphCache
+
+        if on_lookup not in _cache_hooks["lookup"]:
+            _cache_hooks["lookup"].append(on_lookup)
+        if on_save not in _cache_hooks["save"]:
+            _cache_hooks["save"].append(on_save)
+        load, save = FxGraphCache.load_with_key, FxGraphCache._save_graph
+        if getattr(load, "_convlower", False):
+            return True
+        signature = inspect.signature(load)
+
+        def load_with_key(*args, **kwargs):
+            result = load(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs).arguments
+            _run_hooks("lookup", bound["key"], result[0], bool(bound.get("is_backward")))
+            return result
+
+        def save_graph(key, compiled_graph, *args, **kwargs):
+            save(key, compiled_graph, *args, **kwargs)
+            _run_hooks("save", key, compiled_graph)
+
+        load_with_key._convlower = save_graph._convlower = True
+        FxGraphCache.load_with_key = staticmethod(load_with_key)
+        FxGraphCache._save_graph = staticmethod(save_graph)
+        return True
+    except Exception as e:
+        log.debug("convlower: no FX graph cache hooks: %r", e)
+        return False
