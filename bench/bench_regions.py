@@ -28,10 +28,25 @@ HERE = os.path.abspath(__file__)
 PLANS = ("inductor", "convlower", "regions", "blocks")
 
 
+SETUP = {"device": "cpu", "dtype": "float32"}
+
+
 def _build(name: str, size: str):
+    import torch
     from convlower.tools import zoo
 
-    return zoo.build(name, size)
+    model, inputs = zoo.build(name, size)
+    dtype = getattr(torch, SETUP["dtype"])
+    model = model.to(SETUP["device"], dtype)
+    return model, tuple(t.to(SETUP["device"], dtype if t.is_floating_point() else t.dtype)
+                        for t in inputs)
+
+
+def _sync():
+    import torch
+
+    if SETUP["device"].startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def _own_blocks(model):
@@ -48,7 +63,9 @@ def _plan(model, plan: str):
     if plan == "inductor":
         return torch.compile(model, backend="inductor")
     if plan in ("convlower", "regions"):
-        return torch.compile(model, backend="convlower",
+        import convlower  # the backend by object: works without the entry point installed
+
+        return torch.compile(model, backend=convlower.convlower_backend,
                              options={"regions": "auto" if plan == "regions" else "off"})
     inner = _own_blocks(model)
     inner.compile_repeated_blocks(backend="inductor")  # in place: the model's blocks compiled
@@ -69,8 +86,10 @@ def _run(fn, inputs, train: bool):
 def _steady(fn, inputs, train, n=3) -> float:
     ts = []
     for _ in range(n):
+        _sync()
         t0 = time.perf_counter()
         _run(fn, inputs, train)
+        _sync()
         ts.append(time.perf_counter() - t0)
     return min(ts)
 
@@ -84,6 +103,7 @@ def child_compile(name, size, plan, train) -> dict:
     t0 = time.perf_counter()
     fn = _plan(model, plan)
     _run(fn, inputs, train)
+    _sync()
     first = time.perf_counter() - t0
     step = _steady(fn, inputs, train, 2)
     out = {"compile_s": max(first - step, 0.0)}
@@ -125,8 +145,12 @@ def child_steps(name, size, plans, train, rounds) -> dict:
 
 def _child(args: list[str], cache: str) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, CONVLOWER_CACHE_DIR=cache + "-convlower")
-    out = subprocess.run([sys.executable, HERE, "--child", json.dumps(args)], env=env,
-                         capture_output=True, text=True)
+    setup = json.dumps(SETUP)
+    try:
+        out = subprocess.run([sys.executable, HERE, "--child", json.dumps(args), "--setup", setup],
+                             env=env, capture_output=True, text=True, timeout=SETUP.get("timeout"))
+    except subprocess.TimeoutExpired:
+        return {"error": f"over the {SETUP.get('timeout')} s limit"}
     if out.returncode != 0:
         return {"error": (out.stderr.strip().splitlines() or ["?"])[-1]}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -134,7 +158,7 @@ def _child(args: list[str], cache: str) -> dict:
 
 def measure(name, size, train, rounds) -> dict:
     model, _ = _build(name, size)
-    plans = [p for p in PLANS if p != "blocks" or _own_blocks(model) is not None]
+    plans = [p for p in SETUP.get("plans", PLANS) if p != "blocks" or _own_blocks(model) is not None]
     root = tempfile.mkdtemp(prefix="bench-regions-")
     res = {"plans": plans}
     for plan in plans:
@@ -142,7 +166,8 @@ def measure(name, size, train, rounds) -> dict:
         print(f"[{name}] {plan}: cold compile ...", file=sys.stderr, flush=True)
         res[plan] = {"cold": _child(["compile", name, size, plan, train], cache)}
         print(f"[{name}] {plan}: warm load ...", file=sys.stderr, flush=True)
-        res[plan]["warm"] = _child(["compile", name, size, plan, train], cache)
+        res[plan]["warm"] = (_child(["compile", name, size, plan, train], cache)
+                             if SETUP.get("warm", True) else {})
     print(f"[{name}] steps ...", file=sys.stderr, flush=True)
     res["steps"] = _child(["steps", name, size, plans, train, rounds], os.path.join(root, "steps"))
     return res
@@ -152,7 +177,9 @@ def table(name: str, res: dict) -> str:
     steps = res["steps"].get("step_s", {})
     eager, ind = steps.get("eager"), steps.get("inductor")
     ind_cold = res["inductor"]["cold"].get("compile_s")
-    rows = [f"| {name} | eager | – | – | {eager * 1e3:.1f} | – | – | – | – |" if eager else ""]
+    rows = [f"| {name} | eager | – | – | {eager * 1e3:.2f} | – | – | – | – |" if eager else ""]
+    ind_cold = ind_cold or float("nan")
+    ind = ind or float("nan")
     for plan in res["plans"]:
         cold = res[plan]["cold"].get("compile_s")
         warm = res[plan]["warm"].get("compile_s")
@@ -178,8 +205,17 @@ def main() -> None:
     ap.add_argument("--train", action="store_true", help="forward+backward instead of forward")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json", help="write the raw figures here")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--plans", default=",".join(PLANS), help="a subset of " + ",".join(PLANS))
+    ap.add_argument("--timeout", type=float, default=None, help="seconds per child process")
+    ap.add_argument("--no-warm", action="store_true", help="skip the warm-load processes")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--setup", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    SETUP.update(json.loads(a.setup) if a.setup else dict(
+        device=a.device, dtype=a.dtype, plans=a.plans.split(","), timeout=a.timeout,
+        warm=not a.no_warm))
     if a.child:
         kind, *rest = json.loads(a.child)
         fn = child_compile if kind == "compile" else child_steps

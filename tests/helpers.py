@@ -4,6 +4,7 @@ code" check."""
 from __future__ import annotations
 
 import copy
+import re
 
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -89,5 +90,8 @@ def has_conv(code) -> bool:
     """Whether generated code (a string, or the list of forward/backward sources) still calls
     a convolution kernel; comment lines (the graph Inductor prints) do not count."""
     text = code if isinstance(code, str) else "\n".join(code)
-    return any("convolution" in line for line in text.splitlines()
-               if not line.lstrip().startswith("#"))
+    # A generated kernel may be *named* after the node it replaced (triton_poi_fused_convolution_0
+    # on CUDA): a name, not a call.  Any other identifier with "convolution" in it is a call.
+    names = (t for line in text.splitlines() if not line.lstrip().startswith("#")
+             for t in re.findall(r"[\w.]*convolution[\w.]*", line))
+    return any(not n.startswith(("triton_", "cpp_fused_")) for n in names)

@@ -150,3 +150,13 @@ def test_channels_last_input_is_flattened_as_a_view_when_the_weight_is_smaller(b
     fwd = codes[0]
     assert bool(view.search(fwd)) is (batch == 16), fwd
     assert fwd.count("convlower.dense.default(") == 1  # the weight (batch 16) or the input (1)
+
+
+def test_has_conv_sees_calls_not_kernel_names():
+    from helpers import has_conv
+
+    named = "triton_poi_fused_convolution_0.run(buf0)\n# a comment: aten.convolution\ncpp_fused_convolution_1(x)"
+    assert not has_conv(named)
+    for call in ("extern_kernels.convolution(x, w)", "torch.ops.mkldnn._convolution_pointwise.default(x)",
+                 "aten.convolution_backward.default(g, x, w)"):
+        assert has_conv([named, call]), call
