@@ -43,15 +43,18 @@ def clear() -> None:
         _compiled.clear()
 
 
-class _Call(torch.nn.Module):
-    """A compiled part in the split graph, in place of the submodule it replaces."""
+def _call_compiled(split_gm: torch.fx.GraphModule, part: str, fn: Callable) -> None:
+    """The split graph calls ``fn`` where it called submodule ``part``: a plain function call
+    (an nn.Module's ``__call__`` would add its hook machinery to every call of every part)."""
 
-    def __init__(self, fn: Callable, part: str):
-        super().__init__()
-        self.fn, self.part = fn, part
+    def call(*args):
+        return fn(*args)
 
-    def forward(self, *args):
-        return self.fn(*args)
+    call.__name__ = call.__qualname__ = f"compiled_{part}"
+    for node in split_gm.graph.nodes:
+        if node.op == "call_module" and node.target == part:
+            node.op, node.target = "call_function", call
+    split_gm.delete_submodule(part)
 
 
 def _inputs(sub: torch.fx.GraphModule) -> list:
@@ -101,7 +104,7 @@ def compile_regions(gm: torch.fx.GraphModule, setting: Setting, compile_graph: C
         key = signature(sub, inputs, _context(context, inputs))
         fn, how, spent, first = _compiled_part(sub, inputs, key, f"{name}.{part.name}",
                                                compile_graph)
-        setattr(split_gm, part.name, _Call(fn, part.name))
+        _call_compiled(split_gm, part.name, fn)
         _note(name, part, key, how, spent, first)
     split_gm.recompile()
     return split_gm
