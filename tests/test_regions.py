@@ -187,6 +187,20 @@ def test_auto_leaves_small_blocks_in_the_glue():
     assert _parts()[("Small", "reused")] == 3
 
 
+def test_a_failure_while_splitting_compiles_the_graph_whole(monkeypatch, caplog):
+    import convlower.regions.partition as partition
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("split failed")
+
+    monkeypatch.setattr(partition, "split_module", broken)
+    m, x = Stack().eval(), torch.randn(2, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(_compile(m)(x), m(x), rtol=1e-5, atol=1e-5)
+    assert "regions failed (RuntimeError: split failed)" in caplog.text
+    assert convlower.report().to_dict()["regions"] == []
+
+
 def test_regions_option_values():
     assert parse({"regions": "auto"}, env={}).regions == "auto"
     assert parse({"regions": ["ResnetBlock2D"]}, env={}).regions == ("ResnetBlock2D",)

@@ -62,8 +62,17 @@ def convlower_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[s
     opts = _options.parse(options, mode=mode)
     if opts.regions != "off":  # each repeated block compiled once (regions/), else whole
         context = json.dumps({"options": opts.key(), "mode": mode}, sort_keys=True)
-        split = compile_regions(gm, opts.regions, context=context,
-                                compile_graph=lambda g, x: _compile_graph(g, x, mode, opts))
+        try:
+            split = compile_regions(gm, opts.regions, context=context,
+                                    compile_graph=lambda g, x: _compile_graph(g, x, mode, opts))
+        except CompileError:
+            raise  # a part failed as a whole graph would have: the same error
+        except Exception as e:  # splitting must never break a compile: the graph goes whole
+            if ti.is_dynamo_control_flow(e):
+                raise
+            log.warning("convlower: regions failed (%s: %s); compiling the graph whole",
+                        type(e).__name__, e)
+            split = None
         if split is not None:
             return split
     return _compile_graph(gm, example_inputs, mode, opts)
