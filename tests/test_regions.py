@@ -210,3 +210,28 @@ def test_regions_option_values():
         parse({"regions": 3}, env={})
     with pytest.raises(OptionError, match="regions"):
         parse({"regions": ["not a name"]}, env={})
+
+
+@pytest.mark.slow
+def test_sdxl_layout_unet_shares_its_blocks_and_matches_eager():
+    from convlower.tools import zoo
+
+    m, inputs = zoo.build("sdxl-unet", "tiny")
+    with torch.no_grad():
+        ref = m(*inputs)
+        out = _compile(m)(*inputs)
+    assert_close(out, ref, rel=1e-5)
+    recs = convlower.report().to_dict()["regions"]
+    reused = {r["block"] for r in recs if r["how"] == "reused"}
+    assert {"ResnetBlock2D", "Transformer2DModel"} <= reused, reused
+
+
+def test_auto_honours_a_models_repeated_blocks_list():
+    class Declared(Stack):
+        _repeated_blocks = ["Block"]  # diffusers' convention: these are the repeated blocks
+
+    m, x = Declared().eval(), torch.randn(2, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(_compile(m)(x), m(x), rtol=1e-5, atol=1e-5)
+    blocks = [r for r in convlower.report().to_dict()["regions"] if r["block"] == "Block"]
+    assert len(blocks) == 4  # the wide, unique one too: the model says it is a block
