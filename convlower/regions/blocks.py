@@ -59,14 +59,16 @@ def assign(gm: torch.fx.GraphModule, setting: Setting) -> dict[torch.fx.Node, Op
     """For each compute node, the key of the region instance it belongs to (None: glue)."""
     nodes = _compute_nodes(gm)
     wanted = set(setting) if isinstance(setting, tuple) else declared_blocks(gm)
-    repeated = _repeated_instances(gm, nodes) if setting == "auto" else set()
+    repeated = _repeated_instances(nodes) if setting == "auto" else set()
     out: dict = {}
     for n in nodes:
         out[n] = next((k for k, name in stack_of(n) if name in wanted or k in repeated), None)
     return out
 
 
-def _repeated_instances(gm: torch.fx.GraphModule, nodes: list) -> set[str]:
+def _repeated_instances(nodes: list) -> set[str]:
+    """Keys of user-class instances whose nodes (signature_of_nodes: ops and input metadata)
+    repeat in another instance of the same class, and that are big enough to stand alone."""
     members: dict[str, list] = collections.defaultdict(list)
     cls_of: dict[str, object] = {}
     for n in nodes:
