@@ -173,8 +173,10 @@ def _references(case: Case, x, w, b) -> dict:
     mask = [True, True, case.bias]
     grads = torch.ops.aten.convolution_backward(
         grad_out.double(), x64, w64, [case.cout] if case.bias else None, *args, mask)
+    eager_grads = torch.ops.aten.convolution_backward(
+        grad_out, x, w, [case.cout] if case.bias else None, *args, mask)
     return {"out": ref, "grads": grads, "eager": torch.ops.aten.convolution(x, w, b, *args),
-            "grad_out": grad_out, "mask": mask}
+            "eager_grads": eager_grads, "grad_out": grad_out, "mask": mask}
 
 
 def _problems(rule, call: ConvCall, case: Case, tensors: tuple, refs: dict) -> list[str]:
@@ -188,8 +190,12 @@ def _problems(rule, call: ConvCall, case: Case, tensors: tuple, refs: dict) -> l
             problems.append(f"forward: {tuple(got.shape)} {got.dtype} != eager "
                             f"{tuple(eager.shape)} {eager.dtype}")
         grads = decomp.convolution_backward(rule, call, refs["mask"])(refs["grad_out"], x, w)
-        for name, want, got_g, ref_g in zip(GRADS, refs["mask"], grads, refs["grads"]):
-            if ref_g is not None and want:
+        for name, want, got_g, ref_g, eager_g in zip(GRADS, refs["mask"], grads, refs["grads"],
+                                                      refs["eager_grads"]):
+            # A form that runs eager's own kernels (eager_conv) inherits eager's errors: torch's
+            # CPU bf16 conv backward returns garbage grad_weight for some shapes (e.g. kernel
+            # (6, 3) over a padded 6x3 input).  Only where eager is right is it a mismatch.
+            if ref_g is not None and want and (rule.lowers or not close(name, eager_g, ref_g, dtype)):
                 problems.append(close(name, got_g, ref_g, dtype))
     except Exception as e:  # an eligible rule must compute, not raise
         problems = [f"raised {type(e).__name__}: {e}"]
