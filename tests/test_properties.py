@@ -43,7 +43,9 @@ _F = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 @settings(max_examples=260)
 @given(conv_cases())
 def test_every_eligible_rule_matches_eager(case):
-    res = check_case(case)
+    # "heuristic": no eager screen of random shapes here (selection has its own tests); the
+    # screen's eager bf16 conv of one random shape crashed torch's CPU kernel once.
+    res = check_case(case, select="heuristic")
     assert not res["mismatches"], (case, res["mismatches"])
     if res["eligible"]:
         assert res["selected"] in res["eligible"] + [None]

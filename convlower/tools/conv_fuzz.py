@@ -173,28 +173,39 @@ def _references(case: Case, x, w, b) -> dict:
     mask = [True, True, case.bias]
     grads = torch.ops.aten.convolution_backward(
         grad_out.double(), x64, w64, [case.cout] if case.bias else None, *args, mask)
-    eager_grads = torch.ops.aten.convolution_backward(
-        grad_out, x, w, [case.cout] if case.bias else None, *args, mask)
     return {"out": ref, "grads": grads, "eager": torch.ops.aten.convolution(x, w, b, *args),
-            "eager_grads": eager_grads, "grad_out": grad_out, "mask": mask}
+            "grad_out": grad_out, "mask": mask}
+
+
+def _eager_grads(case: Case, tensors: tuple, refs: dict) -> tuple:
+    x, w, _ = tensors
+    return torch.ops.aten.convolution_backward(
+        refs["grad_out"], x, w, [case.cout] if case.bias else None, *conv_args(case), refs["mask"])
 
 
 def _problems(rule, call: ConvCall, case: Case, tensors: tuple, refs: dict) -> list[str]:
     x, w, b = tensors
     dtype, eager = x.dtype, refs["eager"]
+    # A form that runs eager's own kernels (eager_conv) inherits eager's errors, and torch's
+    # CPU reduced-precision convs have them: bf16 backward returned garbage grad_weight (kernel
+    # (6, 3) over a padded 6x3 input: NaN or 44.5 for 1.14, in eager autograd too), a grouped
+    # bf16 Conv3d forward 1e30, and one such call crashed the process.  That is torch's
+    # numerics, not ours: such a form is checked in fp32 only, and only where eager is right
+    # (its ops are checked against eager in tests/test_eager_conv.py).
+    if not rule.lowers and dtype != torch.float32:
+        return []
     try:
         fwd = decomp.convolution(rule, call)
         got = fwd(x, w, b) if b is not None else fwd(x, w)
-        problems = [close("forward", got, refs["out"], dtype)]
+        problems = [close("forward", got, refs["out"], dtype)
+                    if rule.lowers or not close("forward", eager, refs["out"], dtype) else None]
         if got.shape != eager.shape or got.dtype != eager.dtype:
             problems.append(f"forward: {tuple(got.shape)} {got.dtype} != eager "
                             f"{tuple(eager.shape)} {eager.dtype}")
         grads = decomp.convolution_backward(rule, call, refs["mask"])(refs["grad_out"], x, w)
+        eager_grads = _eager_grads(case, tensors, refs) if not rule.lowers else grads
         for name, want, got_g, ref_g, eager_g in zip(GRADS, refs["mask"], grads, refs["grads"],
-                                                      refs["eager_grads"]):
-            # A form that runs eager's own kernels (eager_conv) inherits eager's errors: torch's
-            # CPU bf16 conv backward returns garbage grad_weight for some shapes (e.g. kernel
-            # (6, 3) over a padded 6x3 input).  Only where eager is right is it a mismatch.
+                                                      eager_grads):
             if ref_g is not None and want and (rule.lowers or not close(name, eager_g, ref_g, dtype)):
                 problems.append(close(name, got_g, ref_g, dtype))
     except Exception as e:  # an eligible rule must compute, not raise
