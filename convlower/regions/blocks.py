@@ -23,25 +23,27 @@ Setting = Union[str, tuple]
 MIN_AUTO_NODES = 8
 
 
+def _entries(node: torch.fx.Node) -> list[tuple[str, object]]:
+    """``[(instance key, class), ...]`` outermost first, from Dynamo's ``nn_module_stack``
+    (whose values are ``(path, class)``; the class may be a type or its qualified name)."""
+    return [(key, value[1] if isinstance(value, tuple) and len(value) > 1 else value)
+            for key, value in (node.meta.get("nn_module_stack") or {}).items()]
+
+
+def _name(cls) -> str:
+    return cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]
+
+
 def stack_of(node: torch.fx.Node) -> list[tuple[str, str]]:
     """``[(instance key, class name), ...]`` outermost first (empty for graph inputs)."""
-    out = []
-    for key, value in (node.meta.get("nn_module_stack") or {}).items():
-        cls = value[1] if isinstance(value, tuple) and len(value) > 1 else value
-        out.append((key, cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]))
-    return out
-
-
-def _classes(node: torch.fx.Node) -> list:
-    return [v[1] for v in (node.meta.get("nn_module_stack") or {}).values()
-            if isinstance(v, tuple) and len(v) > 1]
+    return [(key, _name(cls)) for key, cls in _entries(node)]
 
 
 def declared_blocks(gm: torch.fx.GraphModule) -> set[str]:
     """Class names some module of the graph lists in ``_repeated_blocks``."""
     names: set[str] = set()
     for n in gm.graph.nodes:
-        for cls in _classes(n):
+        for _, cls in _entries(n):
             names.update(getattr(cls, "_repeated_blocks", None) or ())
     return names
 
@@ -72,11 +74,10 @@ def _repeated_instances(nodes: list) -> set[str]:
     members: dict[str, list] = collections.defaultdict(list)
     cls_of: dict[str, object] = {}
     for n in nodes:
-        meta = n.meta.get("nn_module_stack") or {}
-        for key, value in meta.items():
-            if isinstance(value, tuple) and len(value) > 1 and _user_class(value[1]):
+        for key, cls in _entries(n):
+            if _user_class(cls):
                 members[key].append(n)
-                cls_of[key] = value[1]
+                cls_of[key] = cls
     by_sig: dict = collections.Counter()
     sig_of = {}
     for key, group in members.items():

@@ -26,16 +26,17 @@ def _target(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
     return f"{getattr(t, '__module__', '')}.{getattr(t, '__qualname__', repr(t))}"
 
 
-def _arg(a: Any, index: dict) -> str:
+def _arg(a: Any, index: dict, outside) -> str:
+    """``a`` with nodes numbered by ``index``; a node not in it is ``outside(node)``."""
     if isinstance(a, torch.fx.Node):
-        return f"%{index[a]}" if a in index else index["outside"](a)
+        return f"%{index[a]}" if a in index else outside(a)
     if isinstance(a, (list, tuple)):
-        inner = ",".join(_arg(x, index) for x in a)
+        inner = ",".join(_arg(x, index, outside) for x in a)
         return f"[{inner}]" if isinstance(a, list) else f"({inner})"
     if isinstance(a, dict):
-        return "{" + ",".join(f"{k}:{_arg(v, index)}" for k, v in a.items()) + "}"
+        return "{" + ",".join(f"{k}:{_arg(v, index, outside)}" for k, v in a.items()) + "}"
     if isinstance(a, slice):
-        return f"slice({_arg(a.start, index)},{_arg(a.stop, index)},{_arg(a.step, index)})"
+        return "slice(" + ",".join(_arg(x, index, outside) for x in (a.start, a.stop, a.step)) + ")"
     if isinstance(a, torch.Tensor):  # a tensor constant in the args: its identity
         return f"tensor@{id(a)}"
     return repr(a)
@@ -57,6 +58,19 @@ def describe_value(v: Any, storages: dict) -> str:
     return f"{type(v).__name__} {v!r}"
 
 
+def _node_line(n: torch.fx.Node, gm, index: dict, outside) -> str:
+    return (f"{n.op} {_target(n, gm)} {_arg(n.args, index, outside)} "
+            f"{_arg(n.kwargs, index, outside)}")
+
+
+def _digest(lines: list[str]) -> str:
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def _no_outside(node: torch.fx.Node) -> str:
+    raise KeyError(f"node {node} is not in the graph being signed")
+
+
 def signature(gm: torch.fx.GraphModule, inputs: list, context: str = "") -> str:
     """A hash of ``gm``'s computation on ``inputs`` (its placeholders' example values), plus
     ``context`` (options, grad mode, ... whatever else the compile depends on)."""
@@ -69,8 +83,8 @@ def signature(gm: torch.fx.GraphModule, inputs: list, context: str = "") -> str:
             lines.append("in " + describe_value(inputs[pos], storages))
             pos += 1
         else:
-            lines.append(f"{n.op} {_target(n, gm)} {_arg(n.args, index)} {_arg(n.kwargs, index)}")
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+            lines.append(_node_line(n, gm, index, _no_outside))
+    return _digest(lines)
 
 
 def signature_of_nodes(nodes: list[torch.fx.Node]) -> str:
@@ -86,8 +100,5 @@ def signature_of_nodes(nodes: list[torch.fx.Node]) -> str:
             outside[node] = f"in{len(outside)}<{describe_value(value, storages)}>"
         return outside[node]
 
-    index["outside"] = from_outside
     gm = nodes[0].graph.owning_module if nodes else None
-    lines = [f"{n.op} {_target(n, gm)} {_arg(n.args, index)} {_arg(n.kwargs, index)}"
-             for n in nodes]
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+    return _digest([_node_line(n, gm, index, from_outside) for n in nodes])

@@ -95,9 +95,10 @@ class Runner:
 
     def compile(self, backend: str, inductor_options: dict):
         kw: dict[str, Any] = {"dynamic": True if self.cfg.dynamic else None}
-        opts = dict(self.cfg.options) if backend.startswith("convlower") else inductor_options
+        opts = inductor_options
         if backend.startswith("convlower"):
-            given = self.cfg.options.get("regions", "off")
+            opts = dict(self.cfg.options)
+            given = opts.get("regions", "off")
             opts["regions"] = "off" if backend == "convlower" else (
                 given if given not in ("off", None) else "auto")
         if opts:
