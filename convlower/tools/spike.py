@@ -228,10 +228,11 @@ def _cold_compile(run, backend, inductor_options, progress, res) -> dict:
         run.step(backend)  # a second call shows recompiles (e.g. state changed by call 1)
     res.update(counts)
     if backend == "convlower-regions":
-        regs = conv_report().to_dict().get("regions", [])
-        res["regions"] = {"parts": len(regs), "compiled": sum(r["how"] == "compiled" for r in regs),
-                          "reused": sum(r["how"] == "reused" for r in regs)}
-        rules = [c.rule for c in conv_report().convolutions if c.rule]
+        rep = conv_report()  # one snapshot of the records (each call copies them all)
+        regs = rep.regions
+        res["regions"] = {"parts": len(regs), "compiled": sum(r.how == "compiled" for r in regs),
+                          "reused": sum(r.how == "reused" for r in regs)}
+        rules = [c.rule for c in rep.convolutions if c.rule]
         res["lowered_by_rule"] = {r: rules.count(r) for r in sorted(set(rules))}
     if backend != "convlower":
         return {}
