@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--session-calls", type=int, default=1000, metavar="N",
                    help="name the plan with the least total time for a session of N calls "
                         "(default 1000)")
+    s.add_argument("--settle-budget", type=float, default=120.0, metavar="S",
+                   help="seconds to measure convlower's close calls compiled after its warm "
+                        "compile, as a warm-up would (0: none; default 120)")
     s.add_argument("--json", metavar="OUT", help="write every measurement as JSON")
     s.add_argument("--plot", metavar="OUT.png", help="draw cumulative time against calls "
                    "(default: convlower-spike-MODEL.png in the temp folder, if matplotlib is installed)")
@@ -85,7 +88,7 @@ def spike(args) -> int:
     cfg = SpikeConfig(model=args.model, size=args.size, dtype=args.dtype, device=args.device,
                       runs=args.runs, warmup=args.warmup, dynamic=args.dynamic,
                       backward=args.backward, options=options, progress=not args.quiet,
-                      session_calls=args.session_calls)
+                      session_calls=args.session_calls, settle_budget_s=args.settle_budget)
     if not args.plot and not args.no_plot and _have_matplotlib():
         safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in args.model)
         args.plot = os.path.join(tempfile.gettempdir(), f"convlower-spike-{safe}.png")

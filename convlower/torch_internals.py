@@ -272,3 +272,21 @@ def trace_artifact(name: str, payload: dict, compile_id: Optional[str] = None) -
 from .torch_caches import (cached_graph_guards, caches_disabled,  # noqa: E402,F401
                            clear_inductor_caches, inductor_cache_dir, inductor_caches_off,
                            on_fx_graph_cache, post_grad_pass)
+
+
+def record_ops(run: Callable[[], object], packets: set) -> list:
+    """``run()`` once; the ``(op, args, kwargs)`` of each aten op in ``packets`` it called,
+    with the real arguments it got (the screen replays them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in packets:
+                calls.append((func, args, kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        run()
+    return calls

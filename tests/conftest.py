@@ -22,6 +22,7 @@ import torch  # noqa: E402
 @pytest.fixture(autouse=True)
 def _fresh_dynamo(request):
     import convlower
+    from convlower.selection import close_calls
 
     # A graph served from Inductor's FX graph or AOTAutograd cache runs no pass and adds no
     # report entry; tests that inspect the report need real compiles (cache behaviour is
@@ -33,6 +34,7 @@ def _fresh_dynamo(request):
 
     torch._dynamo.reset()
     convlower.reset_report()
+    close_calls.forget()  # a warm-up settles every open close call: none from other tests
     yield
     torch._dynamo.reset()
 

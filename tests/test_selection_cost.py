@@ -119,7 +119,54 @@ def test_broken_screen_figures_keep_the_original(screened, bad):
 def test_eager_screen_times_each_emission_once(cache):
     times = screen.eager_screen(mochi_site(), [RULES["time_fold_conv2d"],
                                                RULES["time_unfold_conv2d"]], None)
-    assert set(times) == {"aten", "time_fold_conv2d"} and all(t > 0 for t in times.values())
+    assert set(times) == {"aten", "time_fold_conv2d", "time_fold_conv2d" + screen.KERNELS}
+    assert all(t > 0 for t in times.values())
+
+
+def test_kernels_only_replays_the_rules_gemm_alone(cache):
+    """The lower bound replays only the GEMM / conv kernels the emission called, on the
+    arguments they got: patchify_mm's permute copies are left out, its mm stays."""
+    from convlower import torch_internals as ti
+    from convlower.decompositions import emission
+    from convlower.selection.inputs import real_inputs
+
+    site = mochi_site()
+    args = real_inputs(site)
+    run = lambda: emission.build(site, RULES["patchify_mm"])(*args)
+    calls = ti.record_ops(run, screen._KERNELS)
+    assert [f.overloadpacket for f, _, _ in calls] in ([torch.ops.aten.mm],
+                                                        [torch.ops.aten.addmm])
+    every = ti.record_ops(run, {f.overloadpacket for f in _all_ops(run)})
+    assert len(every) > len(calls)  # the copies were there, and are not replayed
+
+
+def _all_ops(run):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class All(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with All():
+        run()
+    return seen
+
+
+def test_a_loss_only_through_copies_is_a_close_call_not_a_clear_loss(screened, no_compiles):
+    """Eagerly the rule loses (its unfused copies); its kernels alone beat the original:
+    fusion may make it win, so auto keeps the original as a close call for a warm-up to
+    measure.  When the kernels alone lose too, it is a clear loss."""
+    screened({"aten": 1e-2, "patchify_mm": 2e-2, "patchify_mm" + screen.KERNELS: 0.8e-2})
+    d = auto.decide(mochi_site(), [RULES["patchify_mm"]], None, measure_close=False)
+    assert d.rule is None and "close call" in d.why and "kernels alone 0.80x" in d.why
+    selection.clear_memory()
+    selection.set_cache_dir(selection.cache_dir() + "/other")
+    screened({"aten": 1e-2, "patchify_mm": 2e-2, "patchify_mm" + screen.KERNELS: 1.3e-2})
+    d = auto.decide(mochi_site(), [RULES["patchify_mm"]], None, measure_close=False)
+    assert d.rule is None and "clear losses" in d.why
 
 
 def test_a_model_compiled_with_auto_compiles_no_candidate(cache, no_compiles):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import convlower
+from convlower.tools import session_cache as sc
 from convlower.tools import warmup as wu
 
 WORKER = r"""
@@ -72,7 +73,7 @@ def test_second_process_reports_warm_cache(two_processes):
 
 def test_cache_files_are_owner_only(two_processes):
     cache, _, _ = two_processes
-    for path in (cache, cache / "inductor", cache / "convlower", cache / wu.ARTIFACTS):
+    for path in (cache, cache / "inductor", cache / "convlower", cache / sc.ARTIFACTS):
         assert os.stat(path).st_mode & 0o077 == 0, path
 
 
@@ -100,7 +101,7 @@ def test_corrupt_cache_warns_and_still_compiles(two_processes, tmp_path, what):
                 hit += 1
     assert hit >= 3
     if what == "everything":
-        (bad / wu.ARTIFACTS).write_bytes(b"not a cache")
+        (bad / sc.ARTIFACTS).write_bytes(b"not a cache")
         files = [p for p in (bad / "convlower").rglob("*") if p.is_file()]
         assert files, "the warm-up left no convlower cache files to corrupt"
         for path in files:
@@ -118,9 +119,9 @@ def test_corrupt_cache_warns_and_still_compiles(two_processes, tmp_path, what):
 def _artifacts_file(path, meta_overrides=None, payload=b"payload", cut=0):
     import hashlib
 
-    meta = dict(wu._header(), size=len(payload), sha256=hashlib.sha256(payload).hexdigest())
+    meta = dict(sc._header(), size=len(payload), sha256=hashlib.sha256(payload).hexdigest())
     meta.update(meta_overrides or {})
-    data = wu._MAGIC + json.dumps(meta).encode() + b"\n" + payload
+    data = sc._MAGIC + json.dumps(meta).encode() + b"\n" + payload
     path.write_bytes(data[:len(data) - cut])
 
 
@@ -128,7 +129,7 @@ def _artifacts_file(path, meta_overrides=None, payload=b"payload", cut=0):
     ("foreign", "written for torch"), ("truncated", "truncated or corrupt"),
     ("not_ours", "not a convlower"), ("bad_header", "JSONDecodeError")])
 def test_bad_artifacts_are_ignored_with_a_warning(tmp_path, case, expect):
-    path = tmp_path / wu.ARTIFACTS
+    path = tmp_path / sc.ARTIFACTS
     if case == "foreign":
         _artifacts_file(path, {"torch": "1.0.0"})
     elif case == "truncated":
@@ -136,16 +137,16 @@ def test_bad_artifacts_are_ignored_with_a_warning(tmp_path, case, expect):
     elif case == "not_ours":
         path.write_bytes(b"\x80\x04garbage")
     else:
-        path.write_bytes(wu._MAGIC + b"{not json\npayload")
-    warns = wu._Warnings()
+        path.write_bytes(sc._MAGIC + b"{not json\npayload")
+    warns = sc.Warnings()
     with pytest.warns(RuntimeWarning, match=expect):
-        assert wu._load_artifacts(str(path), warns) is False
+        assert sc.load_artifacts(str(path), warns) is False
     assert len(warns) == 1 and expect in warns[0]
 
 
 def test_missing_artifacts_are_silent(tmp_path):
-    warns = wu._Warnings()
-    assert wu._load_artifacts(str(tmp_path / "absent.bin"), warns) is False
+    warns = sc.Warnings()
+    assert sc.load_artifacts(str(tmp_path / "absent.bin"), warns) is False
     assert warns == []
 
 
@@ -153,11 +154,11 @@ def test_directory_writable_by_others_warns(tmp_path):
     d = tmp_path / "shared"
     d.mkdir()
     os.chmod(d, 0o777)
-    warns = wu._Warnings()
+    warns = sc.Warnings()
     with pytest.warns(RuntimeWarning, match="writable by others"):
-        wu._private_dir(str(d), warns)
+        sc.private_dir(str(d), warns)
     new = tmp_path / "new"
-    wu._private_dir(str(new), wu._Warnings())
+    sc.private_dir(str(new), sc.Warnings())
     assert stat.S_IMODE(os.stat(new).st_mode) == 0o700
 
 

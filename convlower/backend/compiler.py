@@ -21,7 +21,7 @@ from ..observe import persist as _persist
 from ..observe import records as _records
 from ..observe import stats as _stats
 from ..regions import compile_regions
-from ..selection import cache_dir
+from ..selection import cache_dir, decisions_digest
 from . import options as _options
 from .conv_pass import ConvLowerPass
 from .snake_pass import route_snakes
@@ -61,7 +61,8 @@ def convlower_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[s
     """A ``torch.compile`` backend (entry point ``convlower``)."""
     opts = _options.parse(options, mode=mode)
     if opts.regions != "off":  # each repeated block compiled once (regions/), else whole
-        context = json.dumps({"options": opts.key(), "mode": mode}, sort_keys=True)
+        context = json.dumps({"options": opts.key(), "mode": mode,
+                              "decisions": decisions_digest()}, sort_keys=True)
         try:
             split = compile_regions(gm, opts.regions, context=context,
                                     compile_graph=lambda g, x: _compile_graph(g, x, mode, opts))

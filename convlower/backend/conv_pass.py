@@ -8,9 +8,10 @@ lets selection pick a rule, builds its emission and splices it (:mod:`.splice`).
 that goes wrong leaves the original node untouched and is recorded: a rule can never break a
 compile.
 
-``uuid()`` names convlower's version, its source and the options, so Inductor's FX graph
-cache and the AOTAutograd cache never hand out an artifact compiled under other settings,
-and do reuse one compiled under the same settings.
+``uuid()`` names convlower's version, its source, the options, the decisions a warm-up
+settled and the seed table (``selection.decisions_digest``), so Inductor's FX graph cache and
+the AOTAutograd cache never hand out an artifact compiled under other settings, and do reuse
+one compiled under the same settings.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from ..lowerings.site import ConvSite
 from ..observe import persist as _persist
 from ..observe import stats as _stats
 from ..observe.records import ConvRecord, record
-from ..selection import Decision, choose
+from ..selection import Decision, choose, decisions_digest
 from ..version import __version__
 from .options import Options
 from .sites import input_nodes, site_of
@@ -75,9 +76,12 @@ class ConvLowerPass(ti.CustomGraphPass):
     def __init__(self, options: Options, graph_name: str = "graph"):
         self.options = options
         self.graph_name = graph_name
+        # Settled decisions and seeds change what this pass does: part of the cache key.
+        self.decisions = decisions_digest()
 
     def uuid(self) -> Any:
-        key = json.dumps({"version": __version__, "options": self.options.key()}, sort_keys=True)
+        key = json.dumps({"version": __version__, "options": self.options.key(),
+                          "decisions": self.decisions}, sort_keys=True)
         src = ti.get_hash_for_files(_source_files())
         return hashlib.sha256(key.encode() + src).hexdigest()
 

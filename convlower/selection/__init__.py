@@ -19,10 +19,12 @@ from . import ranks
 from .cache import CACHE
 from .decision import HOW, Decision
 from . import auto, measure
+from . import seeds
+from .close_calls import Settled, settle, settled_digest
 from .timer import set_timer
 
 __all__ = ["choose", "Decision", "HOW", "set_timer", "set_cache_dir", "cache_dir",
-           "clear_memory"]
+           "clear_memory", "settle", "Settled", "decisions_digest"]
 
 
 def choose(site: ConvSite, candidates: Sequence[Rule], select: str, *, platform: str = "auto",
@@ -55,6 +57,12 @@ def _heuristic(site: ConvSite, candidates: Sequence[Rule], plat: str) -> Decisio
             return Decision(rule, f"heuristic: {why}", "heuristic")
         whys.append(f"{rule.name}: {why}")
     return Decision(None, "heuristic: " + "; ".join(whys), "heuristic")
+
+
+def decisions_digest() -> str:
+    """What changes a compile's decisions besides the graph and the options: the decisions a
+    warm-up settled and the seed table.  Part of convlower's cache identity."""
+    return f"{settled_digest()}-{seeds.digest()}"
 
 
 # The knobs users and tests turn: where decisions are kept, and the timer.

@@ -4,7 +4,8 @@ In order, the first that settles the call wins:
 
 1. **proof** — a rule that wins by construction (``Rule.wins_by_construction``);
 2. **cache** — a measured decision made earlier (``select="exhaustive"``, a warm-up, another
-   process), or an earlier screen of the same call;
+   process), a shipped seed measured on this device (:mod:`.seeds`), or an earlier screen of
+   the same call;
 3. **screen** — eager timings of the original's and the rules' kernels (:mod:`.screen`,
    milliseconds): a clear win is taken, a clear loss or a tiny conv keeps the original;
 4. a **close call** keeps the original under ``"auto"`` (nothing is compiled), and is
@@ -17,7 +18,7 @@ from typing import Optional, Sequence
 
 from ..lowerings.rule import Rule
 from ..lowerings.site import ConvSite
-from . import measure, screen
+from . import close_calls, measure, screen, seeds
 from .cache import CACHE, decision_key
 from .decision import Decision
 
@@ -48,7 +49,8 @@ def decide(site: ConvSite, candidates: Sequence[Rule], compute_dtype: Optional[s
         d.timings = dict(d.timings, **{f"screen_{k}": v for k, v in times.items()})
         return d
     if close:
-        why += "; a close call: kept the original (select='measure' measures it)"
+        why += "; a close call: kept the original (select='measure' or a warm-up measures it)"
+        close_calls.note_close(site, candidates, close, compute_dtype, times)
     CACHE.store(decision_key(site, candidates, compute_dtype, SCREEN_METHOD),
                 {"rule": rule.name if rule else None, "why": why, "timings": times,
                  "close": sorted(close)})
@@ -56,15 +58,23 @@ def decide(site: ConvSite, candidates: Sequence[Rule], compute_dtype: Optional[s
 
 
 def _cached(site, candidates, compute_dtype, by_name, measure_close):
-    """(a cached decision, or None and the cached screen figures of a close call to settle)."""
-    for method in (measure.METHOD, SCREEN_METHOD):
-        hit = CACHE.lookup(decision_key(site, candidates, compute_dtype, method))
+    """(a cached decision, or None and the cached screen figures of a close call to settle).
+
+    In order: the user's measured decisions, the shipped seeds (:mod:`.seeds`), the user's
+    earlier screens."""
+    for method in (measure.METHOD, seeds.SEED, SCREEN_METHOD):
+        key = decision_key(site, candidates, compute_dtype,
+                           measure.METHOD if method == seeds.SEED else method)
+        hit = seeds.lookup(key) if method == seeds.SEED else CACHE.lookup(key)
         if hit is None or not (hit.get("rule") is None or hit.get("rule") in by_name):
             continue
-        if method == SCREEN_METHOD and hit.get("close") and measure_close:
-            return None, dict(hit.get("timings", {}))  # "auto" screened it; measure it now
+        if method == SCREEN_METHOD and hit.get("close"):
+            if measure_close:
+                return None, dict(hit.get("timings", {}))  # "auto" screened it; measure it now
+            close_calls.note_close(site, candidates, hit["close"], compute_dtype,
+                                   dict(hit.get("timings", {})))
         why = hit.get("why", "")
-        why = why if method == measure.METHOD else f"screen: {why}"
+        why = {SCREEN_METHOD: f"screen: {why}", seeds.SEED: f"seed: {why}"}.get(method, why)
         return Decision(by_name.get(hit.get("rule")), f"{why} (cached)", "cache", 0.0,
                         dict(hit.get("timings", {}))), None
     return None, None
@@ -85,7 +95,10 @@ def judge(times: dict, by_name: dict) -> tuple[Optional[Rule], str, set]:
     eager = _eager_ratio(times, by_name)
     if not ratios and eager is None:
         return None, "no rule ran", set()
-    shown = ", ".join(f"{n} {r:.2f}x" for n, r in sorted(ratios.items(), key=lambda i: i[1]))
+    kernels = lambda n: f" (kernels alone {times[n + screen.KERNELS] / base:.2f}x)" \
+        if n + screen.KERNELS in times else ""
+    shown = ", ".join(f"{n} {r:.2f}x{kernels(n)}"
+                      for n, r in sorted(ratios.items(), key=lambda i: i[1]))
     best = min(ratios, key=ratios.get, default=None)
     if best is not None and ratios[best] <= screen.WIN:
         return by_name[best], f"{best} takes {ratios[best]:.2f}x the original's time eagerly " \
@@ -96,7 +109,10 @@ def judge(times: dict, by_name: dict) -> tuple[Optional[Rule], str, set]:
             return by_name[name], (f"{name}: eager's call takes {seen} ({eager[1]}; a clear "
                                    f"win: <= {screen.WIN}x)"), set()
         shown = ", ".join(p for p in (shown, f"{name} {seen}") if p)
-    close = {n for n, r in ratios.items() if r < screen.LOSE}
+    # A close call unless the rule loses even with its copies free (only its kernels timed):
+    # copies Inductor fuses away can cost more eagerly than the rule's GEMM (bf16 on a CPU).
+    floor = {n: times.get(n + screen.KERNELS, times[n]) / base for n in ratios}
+    close = {n for n in ratios if min(ratios[n], floor[n]) < screen.LOSE}
     if eager is not None and eager[0] < screen.LOSE:
         close.add(screen.EAGER_CONV.name)
     if not close:

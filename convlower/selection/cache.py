@@ -87,6 +87,16 @@ class DecisionCache:
                     self._memory[(directory, key)] = hit
             return hit if isinstance(hit, dict) else None
 
+    def entries(self) -> dict[str, dict]:
+        """Every decision in the current directory (the file, and what this process stored)."""
+        directory = self.directory()
+        with self._lock:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # lookup() reports a corrupt file
+                out = dict(_read(os.path.join(directory, CACHE_FILE)))
+            out.update({k: v for (d, k), v in self._memory.items() if d == directory})
+        return {k: v for k, v in out.items() if isinstance(v, dict)}
+
     def store(self, key: str, decision: dict) -> None:
         directory = self.directory()
         with self._lock:

@@ -8,7 +8,8 @@ up to the layout Inductor picks (the original is timed in both memory formats, t
 counts).  Hence:
 
 * rule / original <= ``WIN`` (0.85): a clear win, even before fusion helps the rule;
-* rule / original >= ``LOSE`` (1.25): a clear loss, fusion cannot make up that much;
+* rule / original >= ``LOSE`` (1.25), and the rule's GEMM / conv kernels alone (``KERNELS``:
+  its copies as free as fusion can make them) lose too: a clear loss;
 * in between: a close call, settled by compiled measurement in ``select="measure"`` and kept
   as the original in ``select="auto"``.
 
@@ -24,6 +25,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .. import device as _device
+from .. import torch_internals as ti
 from ..decompositions import emission
 from ..lowerings.eager_conv import RULE as EAGER_CONV, inductor_format
 from ..lowerings.rule import Rule
@@ -38,6 +40,12 @@ BUDGET_S = float(os.environ.get("CONVLOWER_SCREEN_BUDGET_S", "0.5"))  # per site
 # the conv and an eager figure says little about the compiled one: keep the original.
 MIN_CONV_S = float(os.environ.get("CONVLOWER_SCREEN_MIN_US", "1000")) * 1e-6
 SAMPLES = 3
+# A rule's figure with only its GEMM / conv kernels timed: a clear loss needs that to lose too.
+KERNELS = ":kernels"
+_aten = torch.ops.aten
+_KERNELS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.convolution,
+            _aten._convolution, _aten.convolution_backward, _aten.mkldnn_convolution,
+            _aten.cudnn_convolution, _aten.miopen_convolution}
 # The screen's figure of the original in the layout Inductor's compiled code will run it in
 # (timed only when that is not eager's layout and ``eager_conv`` is a candidate).
 INDUCTOR_LAYOUT = "aten_inductor_layout"
@@ -62,6 +70,7 @@ def eager_screen(site: ConvSite, candidates: Sequence[Rule],
         if rule.emission not in seen:
             seen.add(rule.emission)
             fns[rule.name] = _bound(emission.build(site, rule, compute_dtype), args)
+            fns[rule.name + KERNELS] = _kernels_only(fns[rule.name])
     fmt = inductor_format(site)
     if EAGER_CONV in candidates and fmt is not None:
         fns[EAGER_CONV.name] = _bound(emission.build(site, EAGER_CONV), args)
@@ -79,6 +88,20 @@ def _bound(fn: Callable, args: list) -> Callable[[], object]:
         _device.sync(args[0].device)
         return out
     return run
+
+
+def _kernels_only(run: Callable[[], object]) -> Callable[[], object]:
+    """The GEMM / conv kernels of one eager run of ``run``, replayed on the inputs they got:
+    what the rule costs once Inductor has fused its copies away (a lower bound)."""
+    calls = ti.record_ops(run, _KERNELS)
+    device = next((a.device for _, args, _ in calls for a in args
+                   if isinstance(a, torch.Tensor)), None)
+
+    def replay():
+        for func, args, kwargs in calls:
+            func(*args, **kwargs)
+        _device.sync(device)
+    return replay
 
 
 def _inductor_original(site: ConvSite, args: list, fmt) -> Callable[[], object]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import time
 import warnings
 
 import torch
@@ -31,6 +32,7 @@ from .. import torch_internals as ti
 from ..backend.options import OptionError, parse
 from ..observe import stats
 from ..observe.report import report as conv_report, reset_report
+from ..selection import close_calls
 from ..regions import clear as clear_regions
 from ..version import __version__
 from . import zoo
@@ -55,6 +57,7 @@ class SpikeConfig:
     options: dict = dataclasses.field(default_factory=dict)  # convlower options
     progress: bool = True
     session_calls: int = 1000  # the session length the recommendation names a plan for
+    settle_budget_s: float = 120.0  # measuring convlower's close calls after its warm compile
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -147,7 +150,8 @@ def run_spike(cfg: SpikeConfig) -> dict:
     results: dict[str, dict] = {"eager": {"backend": "eager", "first_call_s": eager_first}}
     decisions: dict = {}
     for backend in COMPILED:
-        results[backend], found = _compile(run, backend, inductor_options, progress)
+        results[backend], found = _compile(run, backend, inductor_options, progress,
+                                           cfg.settle_budget_s)
         decisions = found or decisions
     steady = _steady_state(run, results, inductor_options, cfg, progress)
     _verdicts(run, results, reference)
@@ -167,6 +171,8 @@ def _checked(cfg: SpikeConfig) -> dict:
         raise SpikeError(f"unknown dtype {cfg.dtype!r}; valid: {', '.join(DTYPES)}")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise SpikeError("--device cuda: no CUDA device is available")
+    if cfg.settle_budget_s < 0:
+        raise SpikeError(f"need settle_budget_s >= 0, got {cfg.settle_budget_s}")
     if cfg.runs < 1 or cfg.warmup < 0:
         raise SpikeError(f"need runs >= 1 and warmup >= 0, got runs={cfg.runs}, warmup={cfg.warmup}")
     try:
@@ -199,8 +205,8 @@ def _eager(run: Runner, cfg: SpikeConfig, progress: Progress) -> tuple[float, li
     return first, reference
 
 
-def _compile(run: Runner, backend: str, inductor_options: dict,
-             progress: Progress) -> tuple[dict, dict]:
+def _compile(run: Runner, backend: str, inductor_options: dict, progress: Progress,
+             budget_s: float) -> tuple[dict, dict]:
     """Cold and warm compile of one backend, and convlower's decisions of the cold one; a
     failure is recorded, not raised."""
     res: dict = {"backend": backend, "error": None}
@@ -208,6 +214,8 @@ def _compile(run: Runner, backend: str, inductor_options: dict,
     try:
         decisions = _cold_compile(run, backend, inductor_options, progress, res)
         _warm_compile(run, backend, inductor_options, progress, res)
+        if backend == "convlower":  # as a warm-up would: the steady state runs the result
+            _settle(res, budget_s, progress)
     except Exception as e:
         res["error"] = first_line(e)
         progress.say(f"{backend}: compile failed: {res['error']}")
@@ -257,6 +265,17 @@ def _warm_compile(run, backend, inductor_options, progress, res) -> None:
             first, _ = run.timed(backend)
     res["warm_first_call_s"] = first
     res["warm_cache"] = fill["cache"]
+
+
+def _settle(res: dict, budget_s: float, progress: Progress) -> None:
+    """Measure the close calls the cold compile's screen left (selection/close_calls.py)."""
+    if budget_s <= 0 or not close_calls.open_calls():
+        return
+    progress.say(f"convlower: measuring {close_calls.open_calls()} close call(s) compiled")
+    start = time.perf_counter()
+    settled, left = close_calls.settle(budget_s, progress=progress.say)
+    res["settling"] = {"settled": [s.to_dict() for s in settled], "left_open": left,
+                       "seconds": time.perf_counter() - start}
 
 
 def _steady_state(run, results, inductor_options, cfg, progress) -> dict:

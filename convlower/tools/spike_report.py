@@ -86,6 +86,12 @@ def format_report(res: dict) -> str:
         for why in b[x].get("recompile_reasons") or []:
             out.append(f"    recompile: {why.splitlines()[0]}")
     out += _conv_lines(b["convlower"])
+    se = b["convlower"].get("settling")
+    if se:  # the steady state runs what this measured
+        changed = [x for x in se["settled"] if x["changed"]]
+        out.append(f"\nclose calls measured compiled after the warm compile: {len(se['settled'])} in "
+                   f"{se['seconds']:.1f} s, {len(changed)} changed, {se['left_open']} left open")
+        out += [f"    {x['conv']}: {x['rule']} ({x['why']})" for x in changed]
     if res.get("steady_state_compiles"):
         out.append(f"\nwarning: {res['steady_state_compiles']} compile(s) during the timed rounds; "
                    "the step times include them")

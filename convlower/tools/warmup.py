@@ -6,49 +6,57 @@ compile seconds, whether the caches were cold or warm, eager and compiled step t
 compile statistics (:mod:`convlower.observe.stats`) and the amortisation verdict
 (:mod:`convlower.tools.amortize`).
 
-With ``cache_dir`` it persists, and reuses in the next process, what makes a compile cheap:
+With ``cache_dir`` it persists, and reuses in the next process, what makes a compile cheap
+(:mod:`.session_cache`: Inductor's cache, the portable artifacts, convlower's decisions).
 
-* ``inductor/``: Inductor's cache directory (FX graph cache, AOTAutograd cache, the compiled
-  C++ kernels).  On CPU this is what saves most: the kernels are not rebuilt.
-* ``artifacts.bin``: the portable cache artifacts (``torch.compiler.save_cache_artifacts``),
-  which refill an emptied Inductor cache directory (the C++ kernels are then rebuilt).
-* ``convlower/``: convlower's measured rule decisions (:mod:`convlower.selection.cache`).
-
-Cache directories hold pickled data: loading one runs code from it.  Use only a directory
-that you (and nobody else) can write.  convlower creates it owner-only (0700), writes its own
-files owner-only (0600) and warns when the directory is writable by others.  A missing,
-corrupt, truncated or foreign entry is ignored with a warning, and the model compiles anyway.
+Once the model is usable, the warm-up settles the close calls ``select="auto"`` left open
+(:mod:`convlower.selection.close_calls`, within ``settle_budget_s``): each is compiled and timed,
+the measured choice is stored where the next compile reads it, and when a choice changed the
+model is compiled again at once, so the model returned already runs it.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
+import functools
 import logging
 import os
-import shutil
 import statistics as _statistics
-import stat
 import time
-import warnings
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
 from .. import torch_internals as ti
+from ..backend.compiler import convlower_backend
 from ..device import sync, tensors
 from ..observe import stats as _stats
-from ..private_files import write_atomic
-from ..selection.cache import CACHE as DECISIONS
-from ..version import __version__
+from ..selection import close_calls as _settle
+from . import session_cache as _cache
 from .amortize import Amortization, amortize
 
 log = logging.getLogger("convlower")
 
-ARTIFACTS = "artifacts.bin"
-_MAGIC = b"CONVLOWER-CACHE-ARTIFACTS\n"
-_FORMAT = 1
+
+@dataclasses.dataclass
+class Settling:
+    """What the warm-up's measuring of close calls found and cost."""
+
+    settled: list = dataclasses.field(default_factory=list)  # selection.settle.Settled
+    left_open: int = 0            # close calls the budget left unmeasured
+    seconds: float = 0.0          # measuring them
+    recompile_s: float = 0.0      # compiling the model again with the changed choices
+    steps_before_s: list = dataclasses.field(default_factory=list)  # compiled steps before
+
+    @property
+    def changed(self) -> list:
+        return [s for s in self.settled if s.changed]
+
+    def to_dict(self) -> dict:
+        return {"settled": [s.to_dict() for s in self.settled], "left_open": self.left_open,
+                "seconds": self.seconds, "recompile_s": self.recompile_s,
+                "steps_before_s": self.steps_before_s,
+                "saved_per_call_s": sum(s.saved_s for s in self.settled)}
 
 
 @dataclasses.dataclass
@@ -65,6 +73,7 @@ class WarmupResult:
     amortization: Optional[Amortization]
     cache_dir: Optional[str]
     warnings: list
+    settling: Settling = dataclasses.field(default_factory=Settling)  # close calls measured
 
     @property
     def verdict(self) -> Optional[str]:
@@ -72,6 +81,7 @@ class WarmupResult:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        d["settling"] = self.settling.to_dict()
         d["amortization"] = self.amortization.to_dict() if self.amortization else None
         d["verdict"] = self.verdict
         return d
@@ -88,6 +98,13 @@ class WarmupResult:
         if self.compiled_steps_s:
             lines.append(f"  steps: eager {_median(self.eager_steps_s) * 1e3:.3g} ms, compiled "
                          f"{_median(self.compiled_steps_s) * 1e3:.3g} ms")
+        se = self.settling
+        if se.settled or se.left_open:
+            worth = sum(s.saved_s for s in se.changed)
+            lines.append(f"  close calls: {len(se.settled)} measured in {se.seconds:.1f} s, "
+                         f"{len(se.changed)} changed (worth {worth * 1e3:.3g} ms per call; "
+                         f"recompiled in {se.recompile_s:.1f} s), {se.left_open} left open")
+            lines += [f"    {s.conv}: {s.rule or 'original'} ({s.why})" for s in se.changed]
         if self.amortization:
             lines.append(f"  verdict: {self.amortization.verdict} ({self.amortization.reason})")
         for b in st.get("graph_breaks", []):
@@ -100,102 +117,6 @@ class WarmupResult:
 
 def _median(xs: Sequence[float]) -> float:
     return _statistics.median(xs) if xs else 0.0
-
-
-# -- cache directory -----------------------------------------------------------------------------
-class _Warnings(list):
-    def add(self, msg: str) -> None:
-        self.append(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=4)
-        log.warning(msg)
-
-
-def _private_dir(path: str, warns: _Warnings) -> str:
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        warns.add(f"convlower: cache directory {path} belongs to another user; it holds pickled "
-                  f"data that runs code when loaded: use only a directory you own")
-    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        warns.add(f"convlower: cache directory {path} is writable by others; it holds pickled "
-                  f"data that runs code when loaded (chmod 700 it)")
-    return path
-
-
-def _point_caches(cache_dir: str, warns: _Warnings) -> None:
-    _private_dir(cache_dir, warns)
-    inductor = _private_dir(os.path.join(cache_dir, "inductor"), warns)
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") != inductor:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor
-        ti.clear_inductor_caches()  # cached paths still point at the old directory
-    DECISIONS.set_directory(_private_dir(os.path.join(cache_dir, "convlower"), warns))
-    if ti.caches_disabled():
-        warns.add("convlower: Inductor's caches are disabled (force_disable_caches / "
-                  "TORCHINDUCTOR_FORCE_DISABLE_CACHES): cache_dir will not make compiles faster")
-
-
-def _header() -> dict:
-    return {"format": _FORMAT, "torch": torch.__version__, "convlower": __version__}
-
-
-def _load_artifacts(path: str, warns: _Warnings) -> bool:
-    """Load the portable cache artifacts at ``path``; any problem is a warning."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError as e:
-        warns.add(f"convlower: cannot read cache artifacts {path}: {e}; compiling without them")
-        return False
-    try:
-        if not data.startswith(_MAGIC):
-            raise ValueError("not a convlower cache-artifacts file")
-        head, sep, payload = data[len(_MAGIC):].partition(b"\n")
-        if not sep:
-            raise ValueError("truncated header")
-        meta = json.loads(head)
-        want = _header()
-        for k in ("format", "torch"):
-            if meta.get(k) != want[k]:
-                raise ValueError(f"written for {k} {meta.get(k)!r}, this is {want[k]!r}")
-        if len(payload) != meta.get("size") or hashlib.sha256(payload).hexdigest() != meta.get("sha256"):
-            raise ValueError(f"truncated or corrupt ({len(payload)} of {meta.get('size')} bytes)")
-        torch.compiler.load_cache_artifacts(payload)
-        return True
-    except Exception as e:
-        warns.add(f"convlower: ignoring cache artifacts {path}: {type(e).__name__}: {e}; "
-                  f"compiling anyway")
-        return False
-
-
-def _save_artifacts(path: str, warns: _Warnings) -> None:
-    try:
-        saved = torch.compiler.save_cache_artifacts()
-        if not saved or not saved[0]:
-            return  # nothing new (e.g. everything came from the cache directory): keep the file
-        payload = saved[0]
-        meta = dict(_header(), size=len(payload), sha256=hashlib.sha256(payload).hexdigest())
-        write_atomic(path, _MAGIC + json.dumps(meta).encode() + b"\n" + payload)
-    except Exception as e:
-        warns.add(f"convlower: could not save cache artifacts to {path}: {type(e).__name__}: {e}")
-
-
-def _fresh_inductor_dir(cache_dir: str, error: Exception, warns: _Warnings) -> None:
-    """Inductor ignores an unreadable cache entry but fails on a corrupt cached module or
-    kernel library; move the whole Inductor cache aside and compile from scratch."""
-    inductor = os.path.join(cache_dir, "inductor")
-    while getattr(error, "inner_exception", None) or error.__cause__:  # Dynamo wraps it
-        error = getattr(error, "inner_exception", None) or error.__cause__
-    first = (str(error).strip().splitlines() or [""])[0][:300]
-    warns.add(f"convlower: compiling with the cache in {inductor} failed ({type(error).__name__}: "
-              f"{first}); discarding that cache and compiling anyway")
-    aside = f"{inductor}.discarded-{os.getpid()}"
-    with contextlib.suppress(OSError):
-        os.replace(inductor, aside)
-    shutil.rmtree(aside, ignore_errors=True)
-    _private_dir(inductor, warns)
-    ti.clear_inductor_caches()
 
 
 # -- running steps -----------------------------------------------------------------------------
@@ -249,7 +170,8 @@ def _cache_state(counts: dict) -> str:
 # -- the entry point -----------------------------------------------------------------------------
 def warmup(model, example_inputs, *, options: Optional[dict] = None,
            dynamic: Union[None, bool, dict] = None, cache_dir: Optional[str] = None,
-           iters: int = 3, backward: bool = False, **amortize_kw: Any):
+           iters: int = 3, backward: bool = False, settle_budget_s: float = 120.0,
+           **amortize_kw: Any):
     """Compile ``model`` with convlower ahead of use; return ``(compiled, WarmupResult)``.
 
     ``example_inputs``: a tensor or a tuple of positional inputs.  ``dynamic``: passed to
@@ -259,14 +181,17 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
     verdict).  ``backward``: each step also runs a backward (of the outputs' sum); gradients
     the warm-up produced are discarded.  Run it in the grad mode you will run the model in
     (e.g. inside ``torch.no_grad()`` for inference), or the first real call recompiles.
+    ``settle_budget_s``: seconds to spend measuring close calls after the compile (0: none).
     Extra keywords (``low``, ``high``, ``stability``) go to :func:`amortize`.
     """
+    if settle_budget_s < 0:
+        raise ValueError(f"settle_budget_s must be >= 0, got {settle_budget_s}")
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    warns = _Warnings()
+    warns = _cache.Warnings()
     if cache_dir is not None:
         cache_dir = os.path.abspath(os.fspath(cache_dir))
-        _point_caches(cache_dir, warns)
-        _load_artifacts(os.path.join(cache_dir, ARTIFACTS), warns)
+        _cache.point_caches(cache_dir, warns)
+        _cache.load_artifacts(os.path.join(cache_dir, _cache.ARTIFACTS), warns)
     compile_dynamic = dynamic if isinstance(dynamic, bool) or dynamic is None else None
     if isinstance(dynamic, dict):
         _mark_dynamic(inputs, dynamic)
@@ -279,16 +204,42 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
             eager = _timed(model, inputs, backward, iters)
         first, steps, counts, records = _first_compiled(compiled, inputs, backward, iters,
                                                         cache_dir, warns)
+        settling = _settle_close_calls(settle_budget_s)
+        if settling.changed:  # the model returned runs the measured choices
+            settling.steps_before_s = steps
+            again = torch.compile(model, dynamic=compile_dynamic, backend=functools.partial(
+                convlower_backend, options=dict(options) if options else None))
+            settling.recompile_s, steps = _recompile(again, inputs, backward, iters)
+            compiled = again
     if cache_dir is not None:
-        _save_artifacts(os.path.join(cache_dir, ARTIFACTS), warns)
+        _cache.save_artifacts(os.path.join(cache_dir, _cache.ARTIFACTS), warns)
     result = _result(first, steps, eager, counts, records, cache_dir, warns, amortize_kw)
+    result.settling = settling
     log.info("%s", str(result).splitlines()[0])
     ti.trace_artifact("convlower_warmup", result.to_dict())
     return compiled, result
 
 
+def _settle_close_calls(budget_s: float) -> Settling:
+    if budget_s <= 0 or not _settle.open_calls():
+        return Settling(left_open=_settle.open_calls())
+    start = time.perf_counter()
+    settled, left = _settle.settle(budget_s, progress=lambda m: log.info("convlower: %s", m))
+    return Settling(settled, left, time.perf_counter() - start)
+
+
+def _recompile(again, inputs, backward: bool, iters: int) -> tuple[float, list]:
+    """The first call of a new compile of the model, and ``iters`` timed steps.  ``again``
+    has a backend object of its own (a backend named by string with the same options would
+    match the first compile's Dynamo cache entries), and the settled decisions are part of
+    convlower's cache key: every graph compiles again, taking the measured choices."""
+    start = time.perf_counter()
+    _step(again, inputs, backward)
+    return time.perf_counter() - start, _timed(again, inputs, backward, iters)
+
+
 def _first_compiled(compiled, inputs, backward: bool, iters: int, cache_dir: Optional[str],
-                    warns: _Warnings) -> tuple[float, list, dict, list]:
+                    warns: _cache.Warnings) -> tuple[float, list, dict, list]:
     """The first compiled call (the compile), ``iters`` timed steps, the cache counts and
     the compile records of both."""
     before = ti.counters()
@@ -299,7 +250,7 @@ def _first_compiled(compiled, inputs, backward: bool, iters: int, cache_dir: Opt
         except Exception as e:
             if cache_dir is None:
                 raise
-            _fresh_inductor_dir(cache_dir, e, warns)  # a corrupt entry: start it over
+            _cache.fresh_inductor_dir(cache_dir, e, warns)  # a corrupt entry: start it over
             _step(compiled, inputs, backward)
         first = time.perf_counter() - start
         steps = _timed(compiled, inputs, backward, iters)
@@ -307,7 +258,7 @@ def _first_compiled(compiled, inputs, backward: bool, iters: int, cache_dir: Opt
 
 
 def _result(first: float, steps: list, eager: list, counts: dict, records: list,
-            cache_dir: Optional[str], warns: _Warnings, amortize_kw: dict) -> WarmupResult:
+            cache_dir: Optional[str], warns: _cache.Warnings, amortize_kw: dict) -> WarmupResult:
     compile_s = max(first - (min(steps) if steps else 0.0), 0.0)
     verdict = None
     if steps and eager:

@@ -166,6 +166,15 @@ def _wan_dit_stack(c):
                         torch.randn(latent[0], tokens, c["text_dim"]))
 
 
+def _vit_patch_embed(c):
+    from transformers import ViTConfig
+    from transformers.models.vit.modeling_vit import ViTPatchEmbeddings
+
+    m = ViTPatchEmbeddings(ViTConfig(image_size=c["image"], patch_size=c["patch"], num_channels=3,
+                                     hidden_size=c["hidden"]))
+    return m, (torch.randn(c["batch"], 3, c["image"], c["image"]),)
+
+
 _SDXL_COMMON = dict(
     down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
     up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
@@ -195,6 +204,12 @@ ZOO: dict[str, Entry] = {e.name: e for e in [
                          spatial_merge_size=2, window_size=112, fullatt_block_indexes=[1],
                          grid_thw=[1, 16, 16])},
           _qwen_vision, "transformers"),
+    Entry("vit-patch-embed",
+          "ViT / timm-style patch embedding (transformers ViTPatchEmbeddings): Conv2d(3 -> 384, "
+          "kernel = stride = 16) on 224x224; a close call on a CPU (patchify_mm or the original).",
+          {"tiny": dict(image=32, patch=8, hidden=16, batch=1),
+           "small": dict(image=224, patch=16, hidden=384, batch=8)},
+          _vit_patch_embed, "transformers"),
     Entry("wan-vae",
           "Wan2.1 video VAE decoder (diffusers AutoencoderKLWan.decode), causal 3x3x3 Conv3d, "
           "frame-by-frame with a feature cache; Wan's structure at reduced width.",

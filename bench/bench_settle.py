@@ -1,0 +1,217 @@
+"""Close calls settled by the warm-up, against what exhaustive measurement picks (issue 22).
+
+For each model (zoo, fp32 and bf16, forward; ``--train`` adds forward+backward rows) one fresh
+process with empty caches:
+
+1. Inductor compiles the model (its cold compile);
+2. ``convlower.warmup`` compiles it with the default ``select="auto"`` and settles the close
+   calls (compiled measurement, stored, recompiled): the warm-up's first compile, its extra
+   measuring seconds and its recompile are printed;
+3. with an empty decision cache of its own, ``select="exhaustive"`` compiles it (every eligible
+   conv measured compiled): the reference choice; ``select="always"`` too where asked;
+4. steps of eager, Inductor, the warm-up's model, exhaustive's (and always's) interleaved.
+
+Printed per row: warm-up step / exhaustive step (goal <= 1.03), / always (the ViT patch
+embedding: <= 1.03), / Inductor, the close calls (measured / changed), the seconds settling and recompiling cost, and the screen's agreement with the
+compiled measurement: per conv, the screen's pick (a clear call's rule, a close call's lean:
+the rule when its eager figure beat the original's) against exhaustive's pick (goal >= 90%).
+With ``--write-seeds`` the measured decisions go to the shipped seed table.  Cold compile
+seconds are not compared here (the process compiles the model several times and shares
+kernels between compiles): ``bench/bench_compile_cost.py`` measures them in fresh processes.
+
+    .venv/bin/python bench/bench_settle.py                          # default models
+    .venv/bin/python bench/bench_settle.py --models vit-patch-embed --train --always
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.abspath(__file__)
+DEFAULT_MODELS = ("vit-patch-embed", "qwen2.5-vl-patch-embed", "mochi-downsample",
+                  "wan-dit-patch", "sdxl-unet-tiny", "wan-vae")
+
+
+def _step(fn, inputs, train, params):
+    import torch
+
+    if not train:
+        with torch.no_grad():
+            return fn(*inputs)
+    for p in params:
+        p.grad = None
+    fn(*inputs).float().sum().backward()
+
+
+def _first(fn, inputs, train, params) -> float:
+    start = time.perf_counter()
+    _step(fn, inputs, train, params)
+    return time.perf_counter() - start
+
+
+def _picks(records, how) -> dict:
+    """{(phase, call, mask): pick} of the convolution records decided by ``how``; a screen's
+    pick is its clear choice, or a close call's lean (the fastest eager figure)."""
+    out = {}
+    for c in records:
+        if c.how not in how or c.from_cache:
+            continue
+        pick = c.rule if c.how == "measurement" or c.rule else _lean(c.timings)
+        out[(c.phase, json.dumps(c.call, sort_keys=True), str(c.output_mask))] = pick
+    return out
+
+
+def _lean(t: dict):
+    """The screen's lean on a call it kept: the fastest lowering if its eager figure beat the
+    original's, else eager_conv if it beat the original in Inductor's layout, else None."""
+    from convlower.selection import screen
+
+    lowerings = {k: v for k, v in t.items() if not k.startswith("aten") and k != "eager_conv"
+                 and not k.endswith(screen.KERNELS)}
+    best = min(lowerings, key=lowerings.get, default=None)
+    if best is not None and "aten" in t and lowerings[best] < t["aten"]:
+        return best
+    ind = t.get(screen.INDUCTOR_LAYOUT)
+    return "eager_conv" if ind and t.get("eager_conv", ind) < ind else None
+
+
+def _interleaved(fns: dict, inputs, train, params, rounds=7) -> dict:
+    times = {k: [] for k in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in (names if r % 2 else names[::-1]):
+            start = time.perf_counter()
+            _step(fns[name], inputs, train, params)
+            times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def worker(args) -> dict:
+    import torch
+
+    import convlower
+    from convlower import selection
+    from convlower.tools import zoo
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model, inputs = zoo.build(args.model, args.size)
+    model = model.to(dtype)
+    inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
+    params = list(model.parameters())
+    for p in params:
+        p.requires_grad_(args.train)
+    fns = {"eager": model}
+    fns["inductor"] = torch.compile(model, backend="inductor")
+    inductor_s = _first(fns["inductor"], inputs, args.train, params)
+    convlower.reset_report()
+    ctx = torch.enable_grad() if args.train else torch.no_grad()
+    with ctx:
+        fns["warm-up"], r = convlower.warmup(model, inputs, backward=args.train, iters=3,
+                                             settle_budget_s=args.settle_budget)
+    warm_recs = list(convlower.report().convolutions)
+    se = r.settling
+    selection.set_cache_dir(tempfile.mkdtemp(prefix="bench-settle-exhaustive-"))
+    selection.clear_memory()
+    convlower.reset_report()
+    fns["exhaustive"] = torch.compile(model, backend="convlower", options={"select": "exhaustive"})
+    exhaustive_s = _first(fns["exhaustive"], inputs, args.train, params)
+    ex_recs = list(convlower.report().convolutions)
+    if args.always:
+        fns["always"] = torch.compile(model, backend="convlower", options={"select": "always"})
+        _step(fns["always"], inputs, args.train, params)
+    med = _interleaved(fns, inputs, args.train, params)
+    screen = _picks(warm_recs, ("screen", "cache"))
+    measured = _picks(ex_recs, ("measurement",))
+    both = [k for k in screen if k in measured]
+    return {"inductor_s": inductor_s, "warmup_compile_s": r.compile_s,
+            "exhaustive_s": exhaustive_s, "steps": med, "close": len(se.settled),
+            "changed": [f"{s.conv}: {s.rule}" for s in se.changed], "left_open": se.left_open,
+            "settle_s": se.seconds, "recompile_s": se.recompile_s,
+            "agree": sum(screen[k] == measured[k] for k in both), "compared": len(both),
+            "exhaustive_rules": sorted({str(c.rule) for c in ex_recs}),
+            "decisions": selection.cache_dir()}
+
+
+def run_fresh(model, dtype, size, train, always, budget, timeout) -> dict:
+    with tempfile.TemporaryDirectory() as inductor, tempfile.TemporaryDirectory() as decisions:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor, CONVLOWER_CACHE_DIR=decisions)
+        cmd = [sys.executable, HERE, "--worker", "--models", model, "--dtypes", dtype,
+               "--size", size, "--settle-budget", str(budget)] + \
+            (["--train"] if train else []) + (["--always"] if always else [])
+        try:
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout} s"}
+        if p.returncode != 0:
+            return {"error": (p.stderr.strip().splitlines() or ["?"])[-1][:200]}
+        out = json.loads(p.stdout.strip().splitlines()[-1])
+        path = os.path.join(decisions, "decisions.json")  # the warm-up's (settled) decisions
+        if os.path.exists(path):
+            with open(path) as f:
+                out["entries"] = json.load(f)["decisions"]
+        return out
+
+
+def line(model, dtype, train, r) -> str:
+    name = f"| {model} | {dtype} | {'fwd+bwd' if train else 'fwd'} |"
+    if "error" in r:
+        return f"{name} error: {r['error']} |"
+    s = r["steps"]
+    always = f"{s['warm-up'] / s['always']:.3f}" if "always" in s else "–"
+    agree = f"{r['agree']}/{r['compared']}" if r["compared"] else "–"
+    return (f"{name} {s['warm-up'] / s['exhaustive']:.3f} | {always} | "
+            f"{s['warm-up'] / s['inductor']:.3f} | "
+            f"{r['close']} / {len(r['changed'])} | {r['settle_s']:.1f} | {r['recompile_s']:.1f} | "
+            f"{agree} | {'; '.join(r['changed']) or '–'} |")
+
+
+HEAD = ("| model | dtype | pass | warm-up step / exhaustive | / always | / Inductor | "
+        "close calls measured / changed | settling s | "
+        "recompile s | screen agrees | changed |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--size", default="small")
+    ap.add_argument("--train", action="store_true", help="also forward+backward rows")
+    ap.add_argument("--always", action="store_true", help="also time select='always'")
+    ap.add_argument("--settle-budget", type=float, default=300.0)
+    ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--write-seeds", action="store_true",
+                    help="add the measured decisions to convlower/selection/seeds.json")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        args.model, args.dtype = args.models, args.dtypes
+        print(json.dumps(worker(args)))
+        return
+    print(HEAD, flush=True)
+    agree = compared = 0
+    from convlower.selection import measure, seeds
+
+    for model in args.models.split(","):
+        for dtype in args.dtypes.split(","):
+            for train in ((False, True) if args.train else (False,)):
+                r = run_fresh(model, dtype, args.size, train, args.always, args.settle_budget,
+                              args.timeout)
+                print(line(model, dtype, train, r), flush=True)
+                agree, compared = agree + r.get("agree", 0), compared + r.get("compared", 0)
+                if args.write_seeds and r.get("entries"):
+                    n = seeds.export(r["entries"], measure.METHOD, seeds.SEED_FILE,
+                                     f"bench/bench_settle.py {time.strftime('%Y-%m-%d')}")
+                    print(f"  ({n} measured decisions added to the seed table)", flush=True)
+    if compared:
+        print(f"\nscreen / compiled agreement: {agree}/{compared} = {agree / compared:.0%} "
+              f"(goal >= 90%)")
+
+
+if __name__ == "__main__":
+    main()

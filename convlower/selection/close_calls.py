@@ -1,0 +1,139 @@
+"""Close calls settled later, where measuring costs nothing: the warm-up's share of selection.
+
+``select="auto"`` keeps the original on a close call (the screen could not tell) and compiles
+nothing.  Each such call is noted here (:func:`note_close`) with what the screen saw.  A
+warm-up at session load, once the model is usable, calls :func:`settle`: every open call is
+compiled and timed (:func:`convlower.selection.measure.decide`) within a budget, and the
+measured decision is stored under the key ``auto`` reads first, marked ``settled``.  The
+settled decisions' digest (:func:`settled_digest`) is part of convlower's cache identity
+(``ConvLowerPass.uuid``), so a graph compiled before them is not served from Inductor's cache
+afterwards: the next compile, in this process or another, takes the measured choice.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import threading
+import time
+from typing import Callable, Optional, Sequence
+
+from ..lowerings.rule import Rule
+from ..lowerings.site import ConvSite
+from . import measure
+from .cache import CACHE, decision_key
+
+
+@dataclasses.dataclass
+class _Open:
+    site: ConvSite
+    candidates: tuple          # the close candidates (rules)
+    key: str                   # where auto looks for a measured decision (every candidate)
+    compute_dtype: Optional[str]
+    screen: dict               # the screen's seconds per candidate ("aten" = the original)
+
+
+@dataclasses.dataclass
+class Settled:
+    """One close call, measured: what it was, what the screen leaned to, what won compiled."""
+
+    conv: str                  # the call, in words (sizes, stride, dtype, phase)
+    rule: Optional[str]        # the measured choice (None: the original stays)
+    changed: bool              # the choice differs from the original the screen kept
+    screen_ratio: Optional[float]    # best close candidate / original, eager screen
+    compiled_ratio: Optional[float]  # best candidate / original, compiled and timed
+    saved_s: float             # seconds per call of this conv the change saves (>= 0)
+    seconds: float             # what measuring it cost
+    why: str
+
+    @property
+    def agrees(self) -> Optional[bool]:
+        """Whether the screen's lean (a rule if its ratio was < 1) was the measured pick."""
+        if self.screen_ratio is None:
+            return None
+        return (self.screen_ratio < 1.0) == (self.rule is not None)
+
+    def to_dict(self) -> dict:
+        return dict(dataclasses.asdict(self), agrees=self.agrees)
+
+
+_OPEN: dict[str, _Open] = {}
+_lock = threading.Lock()
+
+
+def note_close(site: ConvSite, candidates: Sequence[Rule], close: Sequence[str],
+               compute_dtype: Optional[str], screen: dict) -> None:
+    """A close call ``auto`` kept the original for (or found so in the cache): ``close``
+    names the candidates the screen could not tell from the original."""
+    key = decision_key(site, candidates, compute_dtype, measure.METHOD)
+    rules = tuple(r for r in candidates if r.name in set(close))
+    with _lock:
+        _OPEN.setdefault(key, _Open(site, rules, key, compute_dtype, dict(screen)))
+
+
+def open_calls() -> int:
+    with _lock:
+        return len(_OPEN)
+
+
+def forget() -> None:
+    """Drop the open calls (``convlower.reset()``; tests)."""
+    with _lock:
+        _OPEN.clear()
+
+
+def settle(budget_s: float = 120.0,
+           progress: Optional[Callable[[str], None]] = None) -> tuple[list[Settled], int]:
+    """Measure the open close calls, each stored for ``auto``; ``(settled, left open)``.
+
+    Calls are measured one by one while the budget lasts (a measurement is never cut short:
+    it is bounded by :mod:`.measure`'s own budgets); what is left stays open for a later
+    warm-up."""
+    with _lock:
+        pending = list(_OPEN.items())
+    done, start = [], time.perf_counter()
+    for i, (key, call) in enumerate(pending):
+        if time.perf_counter() - start >= budget_s:
+            break
+        if progress:
+            progress(f"settling close call {i + 1}/{len(pending)}: {_describe(call.site)}")
+        done.append(_measure(call))
+        with _lock:
+            _OPEN.pop(key, None)
+    return done, len(pending) - len(done)
+
+
+def _measure(call: _Open) -> Settled:
+    decision = measure.decide(call.site, call.candidates, call.compute_dtype)
+    measured = CACHE.lookup(decision_key(call.site, call.candidates, call.compute_dtype,
+                                         measure.METHOD))
+    if measured is not None:  # under the key auto reads (all its candidates), marked
+        CACHE.store(call.key, dict(measured, settled=True))
+    t = decision.timings
+    base = t.get("aten")
+    best = min((n for n in t if n in {r.name for r in call.candidates}), key=t.get, default=None)
+    rule = decision.rule.name if decision.rule else None
+    saved = max(base - t[rule], 0.0) if rule and base else 0.0
+    return Settled(conv=_describe(call.site), rule=rule, changed=rule is not None,
+                   screen_ratio=_screen_ratio(call), seconds=decision.seconds,
+                   compiled_ratio=t[best] / base if best and base else None,
+                   saved_s=saved, why=decision.why)
+
+
+def _screen_ratio(call: _Open) -> Optional[float]:
+    base = call.screen.get("aten")
+    times = [call.screen[r.name] for r in call.candidates if r.name in call.screen]
+    return min(times) / base if times and base else None
+
+
+def _describe(site: ConvSite) -> str:
+    c = site.call
+    return (f"{site.phase} conv x{list(c.x.shape)} w{list(c.weight.shape)} stride "
+            f"{list(c.stride)} {str(c.x.dtype).replace('torch.', '')}")
+
+
+def settled_digest() -> str:
+    """A digest of the settled decisions in the decision cache (part of the cache key of
+    every graph convlower compiles: settling a call recompiles the graphs once)."""
+    settled = sorted((k, v.get("rule")) for k, v in CACHE.entries().items() if v.get("settled"))
+    return hashlib.sha256(json.dumps(settled).encode()).hexdigest()[:16]

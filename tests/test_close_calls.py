@@ -1,0 +1,141 @@
+"""Close calls: ``auto`` notes them, a warm-up settles them (measured, stored, marked), and
+the next compile takes the measured choice, also past Inductor's caches (the settled
+decisions are part of convlower's cache key).  Screen and timer are injected: which choice
+wins is the test's input, what convlower does with it is what is checked."""
+import json
+
+import pytest
+import torch
+
+import convlower
+from convlower import selection
+from convlower.backend.conv_pass import ConvLowerPass
+from convlower.backend.options import parse
+from convlower.selection import close_calls, screen
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(4, 8, 4, 4), torch.nn.ReLU()), \
+        torch.randn(2, 4, 32, 32)
+
+
+@pytest.fixture
+def close_patchify(cache):
+    """The screen sees patchify_mm at 1.05x the original (a close call); compiled, it takes
+    half the original's time."""
+    prev = screen.set_screen(lambda site, cands, dt: {"aten": 2e-3,
+                                                      **{c.name: 2.1e-3 for c in cands}})
+    selection.set_timer(lambda label, fn, budget: {"aten": 1.0}.get(label, 0.5))
+    yield cache
+    screen.set_screen(prev)
+
+
+def _compile_rules(m, x, **kw):
+    convlower.reset_report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(m, backend="convlower", **kw)(x)
+    assert torch.allclose(out, m(x), rtol=1e-5, atol=1e-5)
+    return [(c.rule, c.how) for c in convlower.report().convolutions]
+
+
+def test_auto_notes_a_close_call_and_a_settled_one_is_taken_next_time(close_patchify):
+    m, x = _model()
+    assert _compile_rules(m, x) == [(None, "screen")]
+    assert close_calls.open_calls() == 1
+    before = close_calls.settled_digest()
+    settled, left = close_calls.settle()
+    assert left == 0 and close_calls.open_calls() == 0
+    (s,) = settled
+    assert s.rule == "patchify_mm" and s.changed and s.saved_s == pytest.approx(0.5)
+    assert s.screen_ratio == pytest.approx(1.05) and s.compiled_ratio == pytest.approx(0.5)
+    assert s.agrees is False  # the screen leaned to the original
+    assert close_calls.settled_digest() != before
+    assert _compile_rules(m, x) == [("patchify_mm", "cache")]
+
+
+def test_a_cached_close_screen_is_noted_again(close_patchify):
+    m, x = _model()
+    _compile_rules(m, x)
+    close_calls.forget()
+    assert _compile_rules(m, x) == [(None, "cache")]  # the screen's close call, from the cache
+    assert close_calls.open_calls() == 1
+
+
+def test_settling_within_no_budget_leaves_the_calls_open(close_patchify):
+    m, x = _model()
+    _compile_rules(m, x)
+    assert close_calls.settle(budget_s=0.0) == ([], 1)
+    assert close_calls.open_calls() == 1
+
+
+def test_only_settled_decisions_change_the_cache_identity(close_patchify):
+    m, x = _model()
+    uuid = lambda: ConvLowerPass(parse({})).uuid()
+    first = uuid()
+    other = torch.nn.Conv2d(4, 8, 2, 2)
+    assert _compile_rules(other, x, options={"select": "exhaustive"}) == \
+        [("patchify_mm", "measurement")]  # measured at compile time, not settled
+    assert uuid() == first
+    _compile_rules(m, x)
+    close_calls.settle()
+    assert uuid() != first
+
+
+def test_warmup_settles_and_returns_a_model_running_the_measured_choice(close_patchify):
+    m, x = _model()
+    with torch.no_grad():
+        compiled, result = convlower.warmup(m, (x,), iters=1)
+        assert torch.allclose(compiled(x), m(x), rtol=1e-5, atol=1e-5)
+    se = result.settling
+    assert [s.rule for s in se.changed] == ["patchify_mm"] and se.left_open == 0
+    assert se.recompile_s > 0 and len(se.steps_before_s) == 1
+    assert [c.rule for c in convlower.report().convolutions] == [None, "patchify_mm"]
+    d = json.loads(json.dumps(result.to_dict()))
+    assert d["settling"]["saved_per_call_s"] == pytest.approx(0.5)
+    assert "1 changed" in str(result)
+
+
+def test_warmup_without_a_budget_measures_nothing(close_patchify):
+    m, x = _model()
+    with torch.no_grad():
+        _, result = convlower.warmup(m, (x,), iters=0, settle_budget_s=0)
+    assert result.settling.settled == [] and result.settling.left_open == 1
+    with pytest.raises(ValueError, match="settle_budget_s"):
+        convlower.warmup(m, (x,), settle_budget_s=-1)
+
+
+def test_a_seed_settles_a_close_call_below_the_users_own_measurement(close_patchify, tmp_path):
+    from convlower.selection import seeds
+
+    m, x = _model()
+    table = tmp_path / "seeds.json"
+    _compile_rules(m, x, options={"select": "exhaustive"})  # patchify_mm measured faster
+    entries = selection.cache.CACHE.entries()
+    assert seeds.export(entries, selection.measure.METHOD, str(table), "test") == 1
+    prev = seeds.set_seed_file(str(table))
+    try:
+        digest = selection.decisions_digest()
+        selection.set_cache_dir(tmp_path / "empty")  # the user's own cache: nothing measured
+        selection.clear_memory()
+        assert _compile_rules(m, x) == [("patchify_mm", "cache")]
+        assert convlower.report().convolutions[0].reason.startswith("seed: ")
+        assert close_calls.open_calls() == 0
+        # the user's own measurement wins over the seed
+        selection.set_timer(lambda label, fn, budget: {"aten": 0.5}.get(label, 1.0))
+        _compile_rules(m, x, options={"select": "exhaustive"})
+        assert _compile_rules(m, x) == [(None, "cache")]
+        table.write_text("{broken")
+        seeds.set_seed_file(str(table))
+        with pytest.warns(RuntimeWarning, match="seed table"):
+            assert selection.decisions_digest() != digest
+    finally:
+        seeds.set_seed_file(prev)
+
+
+def test_the_shipped_seed_table_reads(recwarn):
+    from convlower.selection import seeds
+
+    seeds.set_seed_file(None)
+    assert isinstance(seeds._table(), dict) and not recwarn.list
