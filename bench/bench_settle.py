@@ -63,8 +63,18 @@ def _picks(records, how) -> dict:
         if c.how not in how or c.from_cache:
             continue
         pick = c.rule if c.how == "measurement" or c.rule else _lean(c.timings)
-        out[(c.phase, json.dumps(c.call, sort_keys=True), str(c.output_mask))] = pick
+        out[_site(c)] = pick
     return out
+
+
+def _site(c) -> tuple:
+    return (c.phase, json.dumps(c.call, sort_keys=True), str(c.output_mask))
+
+
+def _ratios(t: dict) -> str:
+    base = t.get("aten")
+    return ", ".join(f"{k} {v / base:.2f}" for k, v in sorted(t.items())
+                     if base and k != "aten" and not k.startswith("screen_")) or "-"
 
 
 def _lean(t: dict):
@@ -129,11 +139,17 @@ def worker(args) -> dict:
     screen = _picks(warm_recs, ("screen", "cache"))
     measured = _picks(ex_recs, ("measurement",))
     both = [k for k in screen if k in measured]
+    screens = {_site(c): c.timings for c in warm_recs}
+    ex_t = {_site(c): c.timings for c in ex_recs}
+    disagree = [f"{k[0]} {json.loads(k[1]).get('input')} w{json.loads(k[1]).get('weight')}: screen {_ratios(screens[k])} -> "
+                f"{screen[k]}, compiled {_ratios(ex_t[k])} -> {measured[k]}"
+                for k in both if screen[k] != measured[k]]
     return {"inductor_s": inductor_s, "warmup_compile_s": r.compile_s,
             "exhaustive_s": exhaustive_s, "steps": med, "close": len(se.settled),
             "changed": [f"{s.conv}: {s.rule}" for s in se.changed], "left_open": se.left_open,
             "settle_s": se.seconds, "recompile_s": se.recompile_s,
             "agree": sum(screen[k] == measured[k] for k in both), "compared": len(both),
+            "disagree": disagree,
             "exhaustive_rules": sorted({str(c.rule) for c in ex_recs}),
             "decisions": selection.cache_dir()}
 
@@ -195,6 +211,7 @@ def main() -> None:
         return
     print(HEAD, flush=True)
     agree = compared = 0
+    notes = []
     from convlower.selection import measure, seeds
 
     for model in args.models.split(","):
@@ -203,11 +220,15 @@ def main() -> None:
                 r = run_fresh(model, dtype, args.size, train, args.always, args.settle_budget,
                               args.timeout)
                 print(line(model, dtype, train, r), flush=True)
+                notes += [f"{model} {dtype}: {d}" for d in r.get("disagree", [])]
                 agree, compared = agree + r.get("agree", 0), compared + r.get("compared", 0)
                 if args.write_seeds and r.get("entries"):
                     n = seeds.export(r["entries"], measure.METHOD, seeds.SEED_FILE,
                                      f"bench/bench_settle.py {time.strftime('%Y-%m-%d')}")
                     print(f"  ({n} measured decisions added to the seed table)", flush=True)
+    if notes:
+        print("\nwhere the screen and the compiled measurement disagree (ratios to the original):")
+        print("\n".join(f"  {n}" for n in notes))
     if compared:
         print(f"\nscreen / compiled agreement: {agree}/{compared} = {agree / compared:.0%} "
               f"(goal >= 90%)")

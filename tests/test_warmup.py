@@ -150,13 +150,15 @@ def test_missing_artifacts_are_silent(tmp_path):
     assert warns == []
 
 
-def test_directory_writable_by_others_warns(tmp_path):
+def test_directory_writable_by_others_is_refused(tmp_path):
     d = tmp_path / "shared"
     d.mkdir()
     os.chmod(d, 0o777)
-    warns = sc.Warnings()
-    with pytest.warns(RuntimeWarning, match="writable by others"):
-        sc.private_dir(str(d), warns)
+    with pytest.raises(sc.UnsafeCacheDir, match="writable by others .*chmod 700"):
+        sc.private_dir(str(d), sc.Warnings())
+    m = torch.nn.Conv2d(4, 8, 2, 2)
+    with pytest.raises(PermissionError, match="refusing cache directory"):
+        convlower.warmup(m, torch.randn(1, 4, 8, 8), cache_dir=str(d), iters=0)
     new = tmp_path / "new"
     sc.private_dir(str(new), sc.Warnings())
     assert stat.S_IMODE(os.stat(new).st_mode) == 0o700

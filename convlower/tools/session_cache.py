@@ -9,8 +9,8 @@
 * ``convlower/``: convlower's rule decisions (:mod:`convlower.selection.cache`).
 
 These hold pickled data: loading one runs code from it.  The folders are created owner-only
-(0700), files are written owner-only (0600), and a folder another user owns or can write is
-reported.  A missing, corrupt, truncated or foreign entry is ignored with a warning, and the
+(0700), files are written owner-only (0600), and a folder another user owns or others can
+write is refused (:class:`UnsafeCacheDir`).  A missing, corrupt, truncated or foreign entry is ignored with a warning, and the
 model compiles anyway.
 """
 from __future__ import annotations
@@ -45,15 +45,24 @@ class Warnings(list):
         log.warning(msg)
 
 
+class UnsafeCacheDir(PermissionError):
+    """A cache folder someone else could have written: loading it could run their code."""
+
+
 def private_dir(path: str, warns: Warnings) -> str:
+    """``path``, created owner-only (0700) if missing; a folder another user owns or others
+    can write is refused (it holds pickled data: loading it runs code)."""
     os.makedirs(path, mode=0o700, exist_ok=True)
     st = os.stat(path)
     if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        warns.add(f"convlower: cache directory {path} belongs to another user; it holds pickled "
-                  f"data that runs code when loaded: use only a directory you own")
-    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        warns.add(f"convlower: cache directory {path} is writable by others; it holds pickled "
-                  f"data that runs code when loaded (chmod 700 it)")
+        raise UnsafeCacheDir(f"convlower: refusing cache directory {path}: it belongs to another "
+                             f"user, and it holds pickled data that runs code when loaded; use "
+                             f"a directory you own")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeCacheDir(f"convlower: refusing cache directory {path}: it is writable by "
+                             f"others (mode {stat.S_IMODE(st.st_mode):o}), and it holds pickled "
+                             f"data that runs code when loaded; `chmod 700 {path}` if only you "
+                             f"write it")
     return path
 
 
