@@ -60,7 +60,9 @@ def _picks(records, how) -> dict:
     pick is its clear choice, or a close call's lean (the fastest eager figure)."""
     out = {}
     for c in records:
-        if c.how not in how or c.from_cache:
+        if c.how not in how or c.from_cache or _site(c) in out:
+            continue  # the first decision of a site (the warm-up's recompile comes later)
+        if c.how == "cache" and not c.reason.startswith(("screen:", "seed:")):
             continue
         pick = c.rule if c.how == "measurement" or c.rule else _lean(c.timings)
         out[_site(c)] = pick
@@ -78,14 +80,15 @@ def _ratios(t: dict) -> str:
 
 
 def _lean(t: dict):
-    """The screen's lean on a call it kept: the fastest lowering if its eager figure beat the
-    original's, else eager_conv if it beat the original in Inductor's layout, else None."""
+    """The screen's prediction on a call it kept: the lowering it predicts fastest compiled
+    (``screen.predicted``) if that beats the original, else eager_conv if it beat the original
+    in Inductor's layout, else None."""
     from convlower.selection import screen
 
-    lowerings = {k: v for k, v in t.items() if not k.startswith("aten") and k != "eager_conv"
-                 and not k.endswith(screen.KERNELS)}
-    best = min(lowerings, key=lowerings.get, default=None)
-    if best is not None and "aten" in t and lowerings[best] < t["aten"]:
+    names = [k for k in t if not k.startswith("aten") and k != "eager_conv"
+             and not k.endswith(screen.KERNELS)]
+    best = min(names, key=lambda n: screen.predicted(t, n), default=None)
+    if best is not None and "aten" in t and screen.predicted(t, best) < t["aten"]:
         return best
     ind = t.get(screen.INDUCTOR_LAYOUT)
     return "eager_conv" if ind and t.get("eager_conv", ind) < ind else None

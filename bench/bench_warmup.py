@@ -1,16 +1,14 @@
-"""Cold vs warm-cache warm-up, in separate processes: how much a persistent cache_dir saves.
+"""Cold compile vs warm load in fresh processes: what a later session pays (issue 21).
 
-For each model, one process runs ``convlower.warmup(..., cache_dir=D)`` on a fresh ``D``
-(cold), then a second process runs it again on the same ``D`` (warm).  Printed side by side:
-compile seconds (first step minus a steady step), the cache state each process saw, and the
-ratio cold / warm.  Goal on a CPU: the warm process compiles >= 5x faster.
+For each zoo model and plan, one process compiles on an empty cache folder (cold), a second
+process compiles again on the same folder (warm load).  Plans: ``inductor`` (Inductor's own
+caches in the folder), ``convlower`` (``convlower.warmup(..., cache_dir=D)``), ``regions``
+(the same with ``options={"regions": "auto"}``).  Printed side by side: cold and warm
+compile seconds (first call minus a steady step), warm / cold, warm / Inductor's warm, the
+convlower warm load split by phase (Dynamo, AOTAutograd, Inductor, code generation and
+loading, convlower's pass), and two ``convlower.warmup`` calls' ratio (goal >= 10x).
 
-Models (random weights, small explicit configs, nothing downloaded):
-  * qwen_patch: transformers' Qwen2.5-VL vision patch embedding (Conv3d 3->1280,
-    kernel = stride = (2, 14, 14)) on 256 patches;
-  * wan_decoder: a small diffusers AutoencoderKLWan, decoding a (1, 4, 3, 8, 8) latent.
-
-    .venv/bin/python bench/bench_warmup.py [--models qwen_patch,wan_decoder] [--iters 2]
+    .venv/bin/python bench/bench_warmup.py --models vit-patch-embed,sdxl-unet [--size small]
 
 The FX graph cache key includes convlower's source files: while someone edits them, run the
 bench on a frozen copy (``cp -r convlower /tmp/snap/ && PYTHONPATH=/tmp/snap ...``).
@@ -25,102 +23,97 @@ import sys
 import tempfile
 import time
 
-
-def qwen_patch():
-    import torch
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionPatchEmbed
-
-    m = Qwen2_5_VisionPatchEmbed(patch_size=14, temporal_patch_size=2, in_channels=3,
-                                 embed_dim=1280).eval()
-    return m, (torch.randn(256, 3 * 2 * 14 * 14),)
+PLANS = ("inductor", "convlower", "regions")
+DEFAULT_MODELS = ("qwen2.5-vl-patch-embed", "vit-patch-embed", "wan-dit-stack", "sdxl-unet")
 
 
-def wan_decoder():
-    import torch
-    from diffusers import AutoencoderKLWan
-
-    z = 4
-    vae = AutoencoderKLWan(base_dim=16, z_dim=z, dim_mult=[1, 2, 2], num_res_blocks=1,
-                           temperal_downsample=[False, True], latents_mean=[0.0] * z,
-                           latents_std=[1.0] * z).eval()
-
-    class Decode(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.vae = vae
-
-        def forward(self, latents):
-            return self.vae.decode(latents, return_dict=False)[0]
-
-    return Decode(), (torch.randn(1, z, 3, 8, 8),)
-
-
-MODELS = {"qwen_patch": qwen_patch, "wan_decoder": wan_decoder}
-
-
-def worker(name: str, cache_dir: str, iters: int) -> None:
-    import torch
-
-    import convlower
-
-    torch.manual_seed(0)
-    model, inputs = MODELS[name]()
+def _first_and_step(fn, inputs):
     start = time.perf_counter()
+    fn(*inputs)
+    first = time.perf_counter() - start
+    steps = []
+    for _ in range(2):
+        start = time.perf_counter()
+        fn(*inputs)
+        steps.append(time.perf_counter() - start)
+    return first, min(steps)
+
+
+def worker(model: str, size: str, plan: str, cache_dir: str) -> dict:
+    import torch
+
+    from convlower.tools import zoo
+
+    m, inputs = zoo.build(model, size)
     with torch.no_grad():
-        compiled, r = convlower.warmup(model, inputs, cache_dir=cache_dir, iters=iters)
-        ok = torch.allclose(compiled(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)
-    from convlower.backend.conv_pass import ConvLowerPass
-    from convlower.backend.options import parse
+        if plan == "inductor":
+            start = time.perf_counter()
+            compiled = torch.compile(m, backend="inductor")
+            setup = time.perf_counter() - start
+            first, step = _first_and_step(compiled, inputs)
+            return {"compile_s": max(first + setup - step, 0.0), "phases": {}}
+        import convlower
 
-    print("RESULT " + json.dumps({
-        "uuid": ConvLowerPass(parse(None)).uuid(), "compile_s": r.compile_s, "first_step_s": r.first_step_s, "cache": r.cache,
-        "counts": r.cache_counts, "graphs": r.statistics["graphs"],
-        "graph_breaks": len(r.statistics["graph_breaks"]), "verdict": r.verdict,
-        "warmup_wall_s": time.perf_counter() - start, "ok": bool(ok), "warnings": r.warnings}))
+        options = {"regions": "auto"} if plan == "regions" else None
+        start = time.perf_counter()
+        _, r = convlower.warmup(m, inputs, options=options, cache_dir=cache_dir, iters=2)
+        return {"compile_s": r.compile_s, "phases": r.statistics.get("phases_s", {}),
+                "cache": r.cache, "warmup_s": time.perf_counter() - start,
+                "settle_s": r.settling.seconds + r.settling.recompile_s}
 
 
-def run(name: str, cache_dir: str, iters: int) -> dict:
+def run(model, size, plan, cache_dir, timeout) -> dict:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FORCE_DISABLE_CACHES")}
-    proc = subprocess.run([sys.executable, __file__, "--worker", name, cache_dir,
-                           "--iters", str(iters)], env=env, capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.exit(f"{name} worker failed:\n{proc.stderr[-4000:]}")
+           if k not in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FORCE_DISABLE_CACHES",
+                        "CONVLOWER_CACHE_DIR")}
+    if plan == "inductor":  # convlower.warmup points Inductor at <cache_dir>/inductor itself
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor")
+    try:
+        p = subprocess.run([sys.executable, __file__, "--worker", model, size, plan, cache_dir],
+                           env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode != 0 or not lines:
+        return {"error": (p.stderr.strip().splitlines() or ["?"])[-1][:200]}
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def _phases(ph: dict) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in ph.items() if v >= 0.005) or "-"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--iters", type=int, default=2)
-    ap.add_argument("--worker", nargs=2, metavar=("MODEL", "CACHE_DIR"))
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    ap.add_argument("--plans", default=",".join(PLANS))
+    ap.add_argument("--size", default="small")
+    ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--worker", nargs=4, metavar=("MODEL", "SIZE", "PLAN", "CACHE_DIR"))
     args = ap.parse_args()
     if args.worker:
-        return worker(args.worker[0], args.worker[1], args.iters)
-    rows = []
-    for name in args.models.split(","):
-        with tempfile.TemporaryDirectory(prefix="convlower-warmup-") as d:
-            cache = os.path.join(d, "cache")
-            cold = run(name, cache, args.iters)
-            warm = run(name, cache, args.iters)
-        ratio = cold["compile_s"] / max(warm["compile_s"], 1e-9)
-        if cold["uuid"] != warm["uuid"]:
-            print(f"{name}: convlower's sources changed between the two processes (the cache "
-                  f"key includes them): the warm run was cold; rerun", flush=True)
-        rows.append((name, cold, warm, ratio))
-        print(f"{name}: cold {cold['compile_s']:.2f} s ({cold['cache']}), "
-              f"warm {warm['compile_s']:.2f} s ({warm['cache']}), ratio {ratio:.1f}x", flush=True)
-    print()
-    print(f"{'model':<12} {'graphs':>6} {'breaks':>6} {'cold s':>8} {'warm s':>8} {'cold/warm':>9}"
-          f"  {'warm cache':<10} {'fx hit/miss (warm)':<18} ok")
-    for name, cold, warm, ratio in rows:
-        c = warm["counts"]
-        print(f"{name:<12} {cold['graphs']:>6} {cold['graph_breaks']:>6} {cold['compile_s']:>8.2f} "
-              f"{warm['compile_s']:>8.2f} {ratio:>8.1f}x  {warm['cache']:<10} "
-              f"{c['fx_graph_hit']}/{c['fx_graph_miss']:<16} {cold['ok'] and warm['ok']}")
-    print("\ngoal: warm >= 5x faster than cold;", "met" if all(r[3] >= 5 for r in rows)
-          else "NOT met for " + ", ".join(r[0] for r in rows if r[3] < 5))
+        print("RESULT " + json.dumps(worker(*args.worker)))
+        return
+    print("| model | plan | cold s | warm s | warm / cold | warm / Inductor warm | cold / warm "
+          "| warm load by phase (s) |\n|---|---|---|---|---|---|---|---|", flush=True)
+    for model in args.models.split(","):
+        inductor_warm = None
+        for plan in args.plans.split(","):
+            with tempfile.TemporaryDirectory(prefix="convlower-warmup-") as d:
+                cache = os.path.join(d, "cache")
+                cold = run(model, args.size, plan, cache, args.timeout)
+                warm = run(model, args.size, plan, cache, args.timeout) if "error" not in cold \
+                    else cold
+            if "error" in warm:
+                print(f"| {model} | {plan} | error: {warm['error']} |", flush=True)
+                continue
+            if plan == "inductor":
+                inductor_warm = warm["compile_s"]
+            vs = f"{warm['compile_s'] / inductor_warm:.2f}" if inductor_warm else "–"
+            print(f"| {model} | {plan} | {cold['compile_s']:.2f} | {warm['compile_s']:.2f} | "
+                  f"{warm['compile_s'] / cold['compile_s']:.3f} | {vs} | "
+                  f"{cold['compile_s'] / max(warm['compile_s'], 1e-9):.1f}x | "
+                  f"{_phases(warm['phases'])} |", flush=True)
 
 
 if __name__ == "__main__":

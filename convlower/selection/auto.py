@@ -89,8 +89,12 @@ def judge(times: dict, by_name: dict) -> tuple[Optional[Rule], str, set]:
     the original in either layout, hence than eager's call)."""
     base = times["aten"]
     if base < screen.MIN_CONV_S:
+        # An eager figure says least here; compiled, such a conv still gains or loses up to
+        # 2x: one worth compiling candidates for is a close call (a warm-up measures it).
+        close = {n for n in times if n in by_name} if base >= measure.MIN_CONV_S else set()
         return None, (f"kept the original (it takes {base * 1e6:.0f} us eagerly, under the "
-                      f"{screen.MIN_CONV_S * 1e6:.0f} us worth a rewrite)"), set()
+                      f"{screen.MIN_CONV_S * 1e6:.0f} us an eager screen can judge"
+                      f"{'; a close call' if close else ''})"), close
     ratios = {n: t / base for n, t in times.items() if n in by_name and by_name[n].lowers}
     eager = _eager_ratio(times, by_name)
     if not ratios and eager is None:

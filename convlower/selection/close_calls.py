@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 
 from ..lowerings.rule import Rule
 from ..lowerings.site import ConvSite
-from . import measure
+from . import measure, screen
 from .cache import CACHE, decision_key
 
 
@@ -40,7 +40,7 @@ class Settled:
     conv: str                  # the call, in words (sizes, stride, dtype, phase)
     rule: Optional[str]        # the measured choice (None: the original stays)
     changed: bool              # the choice differs from the original the screen kept
-    screen_ratio: Optional[float]    # best close candidate / original, eager screen
+    screen_ratio: Optional[float]    # best close candidate / original, as the screen predicts
     compiled_ratio: Optional[float]  # best candidate / original, compiled and timed
     saved_s: float             # seconds per call of this conv the change saves (>= 0)
     seconds: float             # what measuring it cost
@@ -122,7 +122,8 @@ def _measure(call: _Open) -> Settled:
 
 def _screen_ratio(call: _Open) -> Optional[float]:
     base = call.screen.get("aten")
-    times = [call.screen[r.name] for r in call.candidates if r.name in call.screen]
+    times = [screen.predicted(call.screen, r.name) for r in call.candidates
+             if r.name in call.screen]
     return min(times) / base if times and base else None
 
 
