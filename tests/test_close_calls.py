@@ -139,3 +139,22 @@ def test_the_shipped_seed_table_reads(recwarn):
 
     seeds.set_seed_file(None)
     assert isinstance(seeds._table(), dict) and not recwarn.list
+
+
+def test_settling_measures_every_eligible_rule_not_only_the_close_ones(cache):
+    """The screen's bounds can be wrong either way (bench_settle: a bf16 Wan patch conv whose
+    screen called time_sum_conv2d a clear loss ran it 1.9x faster compiled)."""
+    torch.manual_seed(0)
+    m = torch.nn.Conv3d(4, 8, (2, 2, 2), (2, 2, 2))
+    x = torch.randn(1, 4, 4, 8, 8)
+    prev = screen.set_screen(lambda site, cands, dt: {
+        "aten": 2e-3, **{c.name: (2.1e-3 if c.name == "patchify_mm" else 9e-3) for c in cands}})
+    try:
+        selection.set_timer(lambda label, fn, budget: {"aten": 1.0, "patchify_mm": 0.8,
+                                                       "time_sum_conv2d": 0.4}.get(label, 0.9))
+        assert _compile_rules(m, x) == [(None, "screen")]
+        (s,), _ = close_calls.settle()
+        assert s.rule == "time_sum_conv2d" and s.screen_ratio == pytest.approx(1.05)
+        assert _compile_rules(m, x) == [("time_sum_conv2d", "cache")]
+    finally:
+        screen.set_screen(prev)

@@ -3,7 +3,8 @@
 ``select="auto"`` keeps the original on a close call (the screen could not tell) and compiles
 nothing.  Each such call is noted here (:func:`note_close`) with what the screen saw.  A
 warm-up at session load, once the model is usable, calls :func:`settle`: every open call is
-compiled and timed (:func:`convlower.selection.measure.decide`) within a budget, and the
+compiled and timed with every eligible rule, not only the close ones
+(:func:`convlower.selection.measure.decide`), within a budget, and the
 measured decision is stored under the key ``auto`` reads first, marked ``settled``.  The
 settled decisions' digest (:func:`settled_digest`) is part of convlower's cache identity
 (``ConvLowerPass.uuid``), so a graph compiled before them is not served from Inductor's cache
@@ -27,8 +28,10 @@ from .cache import CACHE, decision_key
 @dataclasses.dataclass
 class _Open:
     site: ConvSite
-    candidates: tuple          # the close candidates (rules)
-    key: str                   # where auto looks for a measured decision (every candidate)
+    candidates: tuple          # every eligible rule: all are measured (the screen's bounds
+                               # can be wrong either way: bench/bench_settle.py)
+    close: tuple               # the names the screen could not tell from the original
+    key: str                   # where auto looks for a measured decision
     compute_dtype: Optional[str]
     screen: dict               # the screen's seconds per candidate ("aten" = the original)
 
@@ -66,9 +69,9 @@ def note_close(site: ConvSite, candidates: Sequence[Rule], close: Sequence[str],
     """A close call ``auto`` kept the original for (or found so in the cache): ``close``
     names the candidates the screen could not tell from the original."""
     key = decision_key(site, candidates, compute_dtype, measure.METHOD)
-    rules = tuple(r for r in candidates if r.name in set(close))
     with _lock:
-        _OPEN.setdefault(key, _Open(site, rules, key, compute_dtype, dict(screen)))
+        _OPEN.setdefault(key, _Open(site, tuple(candidates), tuple(close), key, compute_dtype,
+                                    dict(screen)))
 
 
 def open_calls() -> int:
@@ -105,9 +108,8 @@ def settle(budget_s: float = 120.0,
 
 def _measure(call: _Open) -> Settled:
     decision = measure.decide(call.site, call.candidates, call.compute_dtype)
-    measured = CACHE.lookup(decision_key(call.site, call.candidates, call.compute_dtype,
-                                         measure.METHOD))
-    if measured is not None:  # under the key auto reads (all its candidates), marked
+    measured = CACHE.lookup(call.key)  # measure stored it under the key auto reads
+    if measured is not None and not measured.get("settled"):
         CACHE.store(call.key, dict(measured, settled=True))
     t = decision.timings
     base = t.get("aten")
@@ -122,8 +124,7 @@ def _measure(call: _Open) -> Settled:
 
 def _screen_ratio(call: _Open) -> Optional[float]:
     base = call.screen.get("aten")
-    times = [screen.predicted(call.screen, r.name) for r in call.candidates
-             if r.name in call.screen]
+    times = [screen.predicted(call.screen, n) for n in call.close if n in call.screen]
     return min(times) / base if times and base else None
 
 
