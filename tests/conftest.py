@@ -13,6 +13,9 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="convlower-tests-inductor-")
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+# Decisions do not depend on which machine runs the tests: no shipped seeds (test_close_calls
+# reads the shipped table and its own).
+os.environ.setdefault("CONVLOWER_SEED_FILE", os.path.join(os.path.dirname(__file__), "no-seeds.json"))
 os.environ.setdefault("CONVLOWER_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "convlower"))
 
 import pytest  # noqa: E402

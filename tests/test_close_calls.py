@@ -137,8 +137,16 @@ def test_a_seed_settles_a_close_call_below_the_users_own_measurement(close_patch
 def test_the_shipped_seed_table_reads(recwarn):
     from convlower.selection import seeds
 
-    seeds.set_seed_file(None)
-    assert isinstance(seeds._table(), dict) and not recwarn.list
+    prev = seeds.set_seed_file(None)
+    try:
+        table = seeds._table()
+        assert table and not recwarn.list
+        for key, d in table.items():
+            fields = json.loads(key)
+            assert "convlower" not in fields and fields["method"] == selection.measure.METHOD
+            assert d["rule"] is None or d["rule"] in fields["candidates"]
+    finally:
+        seeds.set_seed_file(prev)
 
 
 def test_settling_measures_every_eligible_rule_not_only_the_close_ones(cache):
