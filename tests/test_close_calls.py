@@ -97,6 +97,17 @@ def test_warmup_settles_and_returns_a_model_running_the_measured_choice(close_pa
     assert "1 changed" in str(result)
 
 
+def test_a_settled_call_that_keeps_the_original_leaves_the_cache_identity(close_patchify):
+    """Nothing changes in the code, so the graphs cached before stay warm."""
+    m, x = _model()
+    _compile_rules(m, x)
+    before = selection.decisions_digest()
+    selection.set_timer(lambda label, fn, budget: {"aten": 1.0}.get(label, 1.5))
+    (s,), _ = close_calls.settle()
+    assert s.rule is None and not s.changed
+    assert selection.decisions_digest() == before
+
+
 def test_warmup_without_a_budget_measures_nothing(close_patchify):
     m, x = _model()
     with torch.no_grad():

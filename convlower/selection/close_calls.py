@@ -80,7 +80,7 @@ def open_calls() -> int:
 
 
 def forget() -> None:
-    """Drop the open calls (``convlower.reset()``; tests)."""
+    """Drop the open calls (tests)."""
     with _lock:
         _OPEN.clear()
 
@@ -135,7 +135,9 @@ def _describe(site: ConvSite) -> str:
 
 
 def settled_digest() -> str:
-    """A digest of the settled decisions in the decision cache (part of the cache key of
-    every graph convlower compiles: settling a call recompiles the graphs once)."""
-    settled = sorted((k, v.get("rule")) for k, v in CACHE.entries().items() if v.get("settled"))
+    """A digest of the settled decisions that lower a conv (part of the cache key of every
+    graph convlower compiles: a changed choice recompiles the graphs once).  A measurement
+    that kept the original changes no code, so it leaves the cached graphs warm."""
+    settled = sorted((k, v["rule"]) for k, v in CACHE.entries().items()
+                     if v.get("settled") and v.get("rule"))
     return hashlib.sha256(json.dumps(settled).encode()).hexdigest()[:16]
