@@ -45,7 +45,7 @@ def test_auto_notes_a_close_call_and_a_settled_one_is_taken_next_time(close_patc
     assert _compile_rules(m, x) == [(None, "screen")]
     assert close_calls.open_calls() == 1
     before = close_calls.settled_digest()
-    settled, left = close_calls.settle()
+    settled, left, _ = close_calls.settle()
     assert left == 0 and close_calls.open_calls() == 0
     (s,) = settled
     assert s.rule == "patchify_mm" and s.changed and s.saved_s == pytest.approx(0.5)
@@ -66,7 +66,7 @@ def test_a_cached_close_screen_is_noted_again(close_patchify):
 def test_settling_within_no_budget_leaves_the_calls_open(close_patchify):
     m, x = _model()
     _compile_rules(m, x)
-    assert close_calls.settle(budget_s=0.0) == ([], 1)
+    assert close_calls.settle(budget_s=0.0)[:2] == ([], 1)
     assert close_calls.open_calls() == 1
 
 
@@ -103,7 +103,7 @@ def test_a_settled_call_that_keeps_the_original_leaves_the_cache_identity(close_
     _compile_rules(m, x)
     before = selection.decisions_digest()
     selection.set_timer(lambda label, fn, budget: {"aten": 1.0}.get(label, 1.5))
-    (s,), _ = close_calls.settle()
+    (s,), _, _ = close_calls.settle()
     assert s.rule is None and not s.changed
     assert selection.decisions_digest() == before
 
@@ -172,7 +172,7 @@ def test_settling_measures_every_eligible_rule_not_only_the_close_ones(cache):
         selection.set_timer(lambda label, fn, budget: {"aten": 1.0, "patchify_mm": 0.8,
                                                        "time_sum_conv2d": 0.4}.get(label, 0.9))
         assert _compile_rules(m, x) == [(None, "screen")]
-        (s,), _ = close_calls.settle()
+        (s,), _, _ = close_calls.settle()
         assert s.rule == "time_sum_conv2d" and s.screen_ratio == pytest.approx(1.05)
         assert _compile_rules(m, x) == [("time_sum_conv2d", "cache")]
     finally:

@@ -115,7 +115,7 @@ def judge(times: dict, by_name: dict) -> tuple[Optional[Rule], str, set]:
         shown = ", ".join(p for p in (shown, f"{name} {seen}") if p)
     # A close call unless the rule loses even with its copies free (only its kernels timed):
     # copies Inductor fuses away can cost more eagerly than the rule's GEMM (bf16 on a CPU).
-    floor = {n: times.get(n + screen.KERNELS, times[n]) / base for n in ratios}
+    floor = {n: screen.predicted(times, n) / base for n in ratios}
     close = {n for n in ratios if min(ratios[n], floor[n]) < screen.LOSE}
     if eager is not None and eager[0] < screen.LOSE:
         close.add(screen.EAGER_CONV.name)

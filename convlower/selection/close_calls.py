@@ -86,8 +86,9 @@ def forget() -> None:
 
 
 def settle(budget_s: float = 120.0,
-           progress: Optional[Callable[[str], None]] = None) -> tuple[list[Settled], int]:
-    """Measure the open close calls, each stored for ``auto``; ``(settled, left open)``.
+           progress: Optional[Callable[[str], None]] = None) -> tuple[list[Settled], int, float]:
+    """Measure the open close calls, each stored for ``auto``; ``(settled, left open,
+    seconds spent)``.
 
     Calls are measured one by one while the budget lasts (a measurement is never cut short:
     it is bounded by :mod:`.measure`'s own budgets); what is left stays open for a later
@@ -103,7 +104,7 @@ def settle(budget_s: float = 120.0,
         done.append(_measure(call))
         with _lock:
             _OPEN.pop(key, None)
-    return done, len(pending) - len(done)
+    return done, len(pending) - len(done), time.perf_counter() - start
 
 
 def _measure(call: _Open) -> Settled:

@@ -223,9 +223,7 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
 def _settle_close_calls(budget_s: float) -> Settling:
     if budget_s <= 0 or not _settle.open_calls():
         return Settling(left_open=_settle.open_calls())
-    start = time.perf_counter()
-    settled, left = _settle.settle(budget_s, progress=lambda m: log.info("convlower: %s", m))
-    return Settling(settled, left, time.perf_counter() - start)
+    return Settling(*_settle.settle(budget_s, progress=lambda m: log.info("convlower: %s", m)))
 
 
 def _recompile(again, inputs, backward: bool, iters: int) -> tuple[float, list]:
