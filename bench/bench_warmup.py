@@ -2,11 +2,13 @@
 
 For each zoo model and plan, one process compiles on an empty cache folder (cold), a second
 process compiles again on the same folder (warm load).  Plans: ``inductor`` (Inductor's own
-caches in the folder), ``convlower`` (``convlower.warmup(..., cache_dir=D)``), ``regions``
-(the same with ``options={"regions": "auto"}``).  Printed side by side: cold and warm
-compile seconds (first call minus a steady step), warm / cold, warm / Inductor's warm, the
-convlower warm load split by phase (Dynamo, AOTAutograd, Inductor, code generation and
-loading, convlower's pass), and two ``convlower.warmup`` calls' ratio (goal >= 10x).
+caches in the folder), ``convlower`` (``convlower.warmup(..., cache_dir=D)``: the second
+process loads the saved compile), ``traced`` (the same with ``save_compiled=False``: Dynamo
+traces again, Inductor's caches serve the graphs), ``regions`` (``options={"regions":
+"auto"}``).  Printed side by side: cold and warm compile seconds (first call minus a steady
+step), warm / cold, warm / Inductor's warm, cold / warm, two whole ``convlower.warmup`` calls'
+ratio (goal >= 10x) and the warm load split by phase (Dynamo, AOTAutograd, Inductor, code
+generation and loading, convlower's pass; ``saved load`` for a loaded compile).
 
     .venv/bin/python bench/bench_warmup.py --models vit-patch-embed,sdxl-unet [--size small]
 
@@ -23,7 +25,7 @@ import sys
 import tempfile
 import time
 
-PLANS = ("inductor", "convlower", "regions")
+PLANS = ("inductor", "convlower", "traced", "regions")
 DEFAULT_MODELS = ("qwen2.5-vl-patch-embed", "vit-patch-embed", "wan-dit-stack", "sdxl-unet")
 
 
@@ -56,8 +58,12 @@ def worker(model: str, size: str, plan: str, cache_dir: str) -> dict:
 
         options = {"regions": "auto"} if plan == "regions" else None
         start = time.perf_counter()
-        _, r = convlower.warmup(m, inputs, options=options, cache_dir=cache_dir, iters=2)
-        return {"compile_s": r.compile_s, "phases": r.statistics.get("phases_s", {}),
+        _, r = convlower.warmup(m, inputs, options=options, cache_dir=cache_dir, iters=2,
+                                save_compiled=plan != "traced")
+        phases = r.statistics.get("phases_s", {})
+        if r.saved.state == "loaded":
+            phases = {"saved load": r.saved.load_s}
+        return {"compile_s": r.compile_s, "phases": phases, "saved": str(r.saved),
                 "cache": r.cache, "warmup_s": time.perf_counter() - start,
                 "settle_s": r.settling.seconds + r.settling.recompile_s}
 
@@ -95,7 +101,8 @@ def main() -> None:
         print("RESULT " + json.dumps(worker(*args.worker)))
         return
     print("| model | plan | cold s | warm s | warm / cold | warm / Inductor warm | cold / warm "
-          "| warm load by phase (s) |\n|---|---|---|---|---|---|---|---|", flush=True)
+          "| warm-up call 1st / 2nd | warm load by phase (s) |\n|---|---|---|---|---|---|---|---|---|",
+          flush=True)
     for model in args.models.split(","):
         inductor_warm = None
         for plan in args.plans.split(","):
@@ -110,9 +117,10 @@ def main() -> None:
             if plan == "inductor":
                 inductor_warm = warm["compile_s"]
             vs = f"{warm['compile_s'] / inductor_warm:.2f}" if inductor_warm else "–"
+            calls = f"{cold['warmup_s'] / warm['warmup_s']:.1f}x" if "warmup_s" in warm else "–"
             print(f"| {model} | {plan} | {cold['compile_s']:.2f} | {warm['compile_s']:.2f} | "
                   f"{warm['compile_s'] / cold['compile_s']:.3f} | {vs} | "
-                  f"{cold['compile_s'] / max(warm['compile_s'], 1e-9):.1f}x | "
+                  f"{cold['compile_s'] / max(warm['compile_s'], 1e-9):.1f}x | {calls} | "
                   f"{_phases(warm['phases'])} |", flush=True)
 
 

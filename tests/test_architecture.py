@@ -30,9 +30,11 @@ MAX_FUNCTION_LINES = 60
 # Layer of each top-level part of the package; a module may import its own layer or lower.
 RANKS = {
     "version": 0, "torch_internals": 0, "torch_versions": 0, "torch_caches": 0,  # leaves
+    "torch_saved": 0,
     "device": 0, "private_files": 0,
     "observe": 1,  # records, report, stats: a leaf group (over torch_internals)
     "lowerings": 2, "regions": 2,  # regions: a room of its own, the backend hands it a compiler
+    "saved": 2,  # a room of its own: the warm-up hands it a backend and a context
     "decompositions": 3,
     "selection": 4,
     "backend": 5,
@@ -44,7 +46,7 @@ FACE = ROOT_PKG  # convlower/__init__.py re-exports from anywhere
 # may import them): its per-torch-version fallbacks and Inductor's caches.
 INTERNALS = f"{ROOT_PKG}.torch_internals"
 VERSIONS = f"{ROOT_PKG}.torch_versions"
-PARTS = (VERSIONS, f"{ROOT_PKG}.torch_caches")
+PARTS = (VERSIONS, f"{ROOT_PKG}.torch_caches", f"{ROOT_PKG}.torch_saved")
 # Private-looking torch names that are public API in practice.
 ALLOWED_PRIVATE = {
     "torch._dynamo.mark_dynamic",  # documented way to mark a dimension dynamic

@@ -72,7 +72,8 @@ def save(directory: str, fx_key: str, guards: str) -> Optional[str]:
         return None
 
 
-def _record(d: dict, graph: str) -> ConvRecord:
+def revive(d: dict, graph: str) -> ConvRecord:
+    """A saved record dict as ``graph``'s ConvRecord, marked from_cache; ValueError if not one."""
     if not isinstance(d, dict) or not {"phase", "node", "call"} <= d.keys():
         raise ValueError("not a convolution record")
     rec = ConvRecord(**{k: v for k, v in d.items() if k in _FIELDS and k != "graph"},
@@ -97,7 +98,7 @@ def load(directory: str, fx_key: str, guards: str, graph: str, phase: str) -> li
             raise ValueError("written for another cache entry")
         if not isinstance(data.get("records"), list):
             raise ValueError("no record list")
-        return [_record(d, graph) for d in data["records"]]
+        return [revive(d, graph) for d in data["records"]]
     except FileNotFoundError:
         why = "no records were saved for it"
     except Exception as e:  # corrupt, truncated, foreign: never report something wrong

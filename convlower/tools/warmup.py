@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import statistics as _statistics
@@ -28,12 +27,13 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from .. import torch_internals as ti
-from ..backend.compiler import convlower_backend
 from ..device import sync, tensors
 from ..observe import stats as _stats
+from ..saved import SavedCompile
 from ..selection import close_calls as _settle
 from . import session_cache as _cache
 from .amortize import Amortization, amortize
+from .warm_start import WarmStart
 
 log = logging.getLogger("convlower")
 
@@ -63,7 +63,7 @@ class Settling:
 class WarmupResult:
     compile_s: float              # first step minus a steady compiled step: the compile's cost
     first_step_s: float           # the first compiled call (compiles + one step)
-    cache: str                    # "cold" | "warm" | "partial" | "disabled"
+    cache: str                    # "cold" | "warm" | "partial" | "disabled" | "saved" (loaded whole)
     warm: bool                    # every graph came from the cache (no FX graph cache miss)
     cache_counts: dict            # FX graph / AOTAutograd cache hits, misses, bypasses
     eager_steps_s: list
@@ -74,6 +74,7 @@ class WarmupResult:
     cache_dir: Optional[str]
     warnings: list
     settling: Settling = dataclasses.field(default_factory=Settling)  # close calls measured
+    saved: SavedCompile = dataclasses.field(default_factory=SavedCompile)  # whole compile on disk
 
     @property
     def verdict(self) -> Optional[str]:
@@ -105,6 +106,8 @@ class WarmupResult:
                          f"{len(se.changed)} changed (worth {worth * 1e3:.3g} ms per call; "
                          f"recompiled in {se.recompile_s:.1f} s), {se.left_open} left open")
             lines += [f"    {s.conv}: {s.rule or 'original'} ({s.why})" for s in se.changed]
+        if self.saved.state != "off" or self.cache_dir:
+            lines.append(f"  saved compile: {self.saved}")
         if self.amortization:
             lines.append(f"  verdict: {self.amortization.verdict} ({self.amortization.reason})")
         for b in st.get("graph_breaks", []):
@@ -171,7 +174,7 @@ def _cache_state(counts: dict) -> str:
 def warmup(model, example_inputs, *, options: Optional[dict] = None,
            dynamic: Union[None, bool, dict] = None, cache_dir: Optional[str] = None,
            iters: int = 3, backward: bool = False, settle_budget_s: float = 120.0,
-           **amortize_kw: Any):
+           save_compiled: bool = True, **amortize_kw: Any):
     """Compile ``model`` with convlower ahead of use; return ``(compiled, WarmupResult)``.
 
     ``example_inputs``: a tensor or a tuple of positional inputs.  ``dynamic``: passed to
@@ -182,7 +185,10 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
     the warm-up produced are discarded.  Run it in the grad mode you will run the model in
     (e.g. inside ``torch.no_grad()`` for inference), or the first real call recompiles.
     ``settle_budget_s``: seconds to spend measuring close calls after the compile (0: none).
-    Extra keywords (``low``, ``high``, ``stability``) go to :func:`amortize`.
+    ``save_compiled``: with ``cache_dir``, save the compiled model whole and load it in the
+    next process without tracing it again (:mod:`convlower.saved`; models without graph
+    breaks, whole-graph plan).  Extra keywords (``low``, ``high``, ``stability``) go to
+    :func:`amortize`.
     """
     if settle_budget_s < 0:
         raise ValueError(f"settle_budget_s must be >= 0, got {settle_budget_s}")
@@ -192,29 +198,28 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
         cache_dir = os.path.abspath(os.fspath(cache_dir))
         _cache.point_caches(cache_dir, warns)
         _cache.load_artifacts(os.path.join(cache_dir, _cache.ARTIFACTS), warns)
-    compile_dynamic = dynamic if isinstance(dynamic, bool) or dynamic is None else None
     if isinstance(dynamic, dict):
         _mark_dynamic(inputs, dynamic)
-    compiled = torch.compile(model, backend="convlower", dynamic=compile_dynamic,
-                             options=dict(options) if options else None)
+    start = WarmStart(model, inputs, options=options, dynamic=dynamic, backward=backward,
+                      cache_dir=cache_dir, save=save_compiled, warns=warns)
     with _keep_grads(model, inputs):
         eager = []
         if iters > 0:
             _step(model, inputs, backward)  # untimed: first-call allocations and library plans
             eager = _timed(model, inputs, backward, iters)
-        first, steps, counts, records = _first_compiled(compiled, inputs, backward, iters,
-                                                        cache_dir, warns)
+        compiled, first, steps, counts, records = _first_compiled(start, inputs, backward, iters,
+                                                                  cache_dir, warns)
         settling = _settle_close_calls(settle_budget_s)
         if settling.changed:  # the model returned runs the measured choices
             settling.steps_before_s = steps
-            again = torch.compile(model, dynamic=compile_dynamic, backend=functools.partial(
-                convlower_backend, options=dict(options) if options else None))
-            settling.recompile_s, steps = _recompile(again, inputs, backward, iters)
-            compiled = again
+            settling.recompile_s, steps, compiled = _recompile(start, inputs, backward, iters)
+    start.save()
     if cache_dir is not None:
         _cache.save_artifacts(os.path.join(cache_dir, _cache.ARTIFACTS), warns)
     result = _result(first, steps, eager, counts, records, cache_dir, warns, amortize_kw)
-    result.settling = settling
+    result.settling, result.saved = settling, start.status
+    if start.status.state == "loaded":  # nothing was compiled: the whole model was loaded
+        result.cache, result.warm = "saved", True
     log.info("%s", str(result).splitlines()[0])
     ti.trace_artifact("convlower_warmup", result.to_dict())
     return compiled, result
@@ -226,33 +231,35 @@ def _settle_close_calls(budget_s: float) -> Settling:
     return Settling(*_settle.settle(budget_s, progress=lambda m: log.info("convlower: %s", m)))
 
 
-def _recompile(again, inputs, backward: bool, iters: int) -> tuple[float, list]:
-    """The first call of a new compile of the model, and ``iters`` timed steps.  ``again``
-    has a backend object of its own (a backend named by string with the same options would
-    match the first compile's Dynamo cache entries), and the settled decisions are part of
-    convlower's cache key: every graph compiles again, taking the measured choices."""
-    start = time.perf_counter()
+def _recompile(start: WarmStart, inputs, backward: bool, iters: int) -> tuple[float, list, Any]:
+    """A new compile of the model, its first call and ``iters`` timed steps.  The settled
+    decisions are part of convlower's cache key: every graph compiles again, taking the
+    measured choices."""
+    clock = time.perf_counter()
+    again = start.again()
     _step(again, inputs, backward)
-    return time.perf_counter() - start, _timed(again, inputs, backward, iters)
+    return time.perf_counter() - clock, _timed(again, inputs, backward, iters), again
 
 
-def _first_compiled(compiled, inputs, backward: bool, iters: int, cache_dir: Optional[str],
-                    warns: _cache.Warnings) -> tuple[float, list, dict, list]:
-    """The first compiled call (the compile), ``iters`` timed steps, the cache counts and
-    the compile records of both."""
+def _first_compiled(start: WarmStart, inputs, backward: bool, iters: int,
+                    cache_dir: Optional[str], warns: _cache.Warnings):
+    """The compiled model, its first call (the compile, or the saved compile's load),
+    ``iters`` timed steps, the cache counts and the compile records of both."""
     before = ti.counters()
     with _stats.window() as w:
-        start = time.perf_counter()
+        clock = time.perf_counter()
         try:
+            compiled = start.first()
             _step(compiled, inputs, backward)
         except Exception as e:
             if cache_dir is None:
                 raise
             _cache.fresh_inductor_dir(cache_dir, e, warns)  # a corrupt entry: start it over
+            compiled = start.plain()
             _step(compiled, inputs, backward)
-        first = time.perf_counter() - start
+        first = time.perf_counter() - clock
         steps = _timed(compiled, inputs, backward, iters)
-    return first, steps, _stats.cache_counts(before, ti.counters()), w.records
+    return compiled, first, steps, _stats.cache_counts(before, ti.counters()), w.records
 
 
 def _result(first: float, steps: list, eager: list, counts: dict, records: list,

@@ -1,0 +1,107 @@
+"""How the warm-up gets its compiled model: the saved compile in the cache folder when one fits
+(:mod:`convlower.saved`: no Dynamo trace, no AOTAutograd trace, no pass), else a compile made
+as one saveable graph and saved for the next process, else an ordinary ``torch.compile``.
+
+Saving needs a cache folder, the whole-graph plan (regions split the graph into parts torch
+cannot save as one function yet) and a model without graph breaks; when one is missing the
+warm-up compiles as before and says why nothing was saved.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Callable, Optional
+
+import torch
+
+from .. import saved as _saved
+from ..backend.compiler import convlower_backend
+from ..backend.options import parse as parse_options
+from ..observe import records as _records
+from ..selection import decisions_digest
+from . import session_cache as _cache
+
+log = logging.getLogger("convlower")
+SUBDIR = "saved"
+
+
+class WarmStart:
+    """The compiled model of one warm-up, and what became of its saved compile."""
+
+    def __init__(self, model, inputs: tuple, *, options: Optional[dict], dynamic, backward: bool,
+                 cache_dir: Optional[str], save: bool, warns: _cache.Warnings):
+        self.model, self.inputs, self.backward = model, inputs, backward
+        self.options = dict(options) if options else None
+        self.dynamic = dynamic
+        self.compile_dynamic = dynamic if isinstance(dynamic, bool) or dynamic is None else None
+        self.status = _saved.SavedCompile()
+        self.warns = warns
+        self.folder: Optional[str] = None
+        self.fn = None        # the compiled function to save (made here, not loaded)
+        self.records: list = []
+        why = self._why_not(cache_dir, save)
+        if why:
+            self.status.why = why
+        else:
+            self.folder = _cache.private_dir(os.path.join(cache_dir, SUBDIR), warns)
+
+    def _why_not(self, cache_dir: Optional[str], save: bool) -> str:
+        if cache_dir is None:
+            return "no cache_dir"
+        if not save:
+            return "save_compiled=False"
+        if parse_options(self.options).regions != "off":
+            return "the regions plan compiles parts that cannot be saved as one function yet"
+        return _saved.available() or ""
+
+    def _backend(self) -> Callable:
+        # A backend object of its own per compile: an equal one would reuse Dynamo's entries.
+        return functools.partial(convlower_backend, options=self.options)
+
+    def plain(self) -> Callable:
+        return torch.compile(self.model, backend=self._backend(), dynamic=self.compile_dynamic)
+
+    def context(self) -> dict:
+        """The compile's settings a saved compile must match (besides model and inputs)."""
+        return {"options": parse_options(self.options).key(), "dynamic": repr(self.dynamic),
+                "backward": self.backward, "decisions": decisions_digest()}
+
+    def first(self) -> Callable:
+        """The model for the first call: loaded, compiled to be saved, or compiled plainly."""
+        if self.folder is None:
+            return self.plain()
+        fn, self.status = _saved.load(self.folder, self.model, self.inputs, self.context())
+        if self.status.broken:
+            self.warns.add(f"convlower: {self.status.missed}; compiling again")
+        if fn is not None:
+            return _saved.SavedModel(fn, self.model, self.plain)
+        return self._whole() or self.plain()
+
+    def again(self) -> Callable:
+        """A new compile after the warm-up changed decisions (saved again when it can be)."""
+        return (self._whole() if self.fn is not None else None) or self.plain()
+
+    def _whole(self) -> Optional[Callable]:
+        before = len(_records.records("convolutions"))
+        try:
+            self.fn = _saved.compile_whole(self.model, self.inputs, self._backend(),
+                                           self.compile_dynamic)
+        except Exception as e:  # a graph break, an unsaveable backend output: compile plainly
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            self.status.state = "not saved"
+            self.status.why = f"not saveable as one graph ({type(e).__name__}: {first})"
+            log.info("convlower: %s", self.status.why)
+            self.fn = None
+            return None
+        self.records = _records.records("convolutions")[before:]
+        return _saved.SavedModel(self.fn, self.model, self.plain)
+
+    def save(self) -> None:
+        """Write the compile made here for the next process (after any settling)."""
+        if self.fn is None or self.folder is None:
+            return
+        missed = self.status.missed
+        self.status = _saved.save(self.folder, self.fn, self.model, self.inputs, self.context(),
+                                  self.records)
+        self.status.missed = missed
