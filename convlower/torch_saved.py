@@ -70,8 +70,8 @@ def deserialize_compiled(data: bytes):
     return torch.compiler.load_compiled_function(io.BytesIO(data))
 
 
-def guard_passes(fn, *args: Any) -> bool:
-    return bool(fn.guard_check(*args))
+def guard_passes(fn, *args: Any, **kwargs: Any) -> bool:
+    return bool(fn.guard_check(*args, **kwargs))
 
 
 def traced_sources(fn) -> dict[str, str]:

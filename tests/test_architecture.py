@@ -4,9 +4,9 @@
 * imports only go down the layers: tools/__main__ -> backend -> selection -> decompositions ->
   lowerings -> observe -> leaves (version, torch_internals, device, private_files);
 * private torch (``torch._inductor``, ``torch._dynamo``, ``torch._guards``, ...) only in
-  ``convlower/torch_internals.py`` and the two parts it re-exports, its version fallbacks
-  ``convlower/torch_versions.py`` and Inductor's caches ``convlower/torch_caches.py``, which
-  only ``torch_internals`` imports (the package does not know which torch it runs on);
+  ``convlower/torch_internals.py`` and the parts it re-exports, its version fallbacks
+  ``convlower/torch_versions.py``, Inductor's caches ``convlower/torch_caches.py`` and saved
+  compiled functions ``convlower/torch_saved.py``, which only ``torch_internals`` imports (the package does not know which torch it runs on);
 * no module over 350 lines, no function over 60.
 
 Each check is a function of a ``{module name: source}`` map, so the tests at the bottom can

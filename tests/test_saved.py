@@ -61,9 +61,13 @@ def test_second_warmup_loads_the_saved_compile(net, tmp_path):
     m, x = net
     f1, r1 = _warm(m, x, tmp_path)
     assert r1.saved.state == "saved" and "nothing saved yet" in r1.saved.missed
+    st = r1.statistics  # torch's AOT compile writes no frame metrics: convlower's own record
+    assert st["graphs"] == 1 and st["rewrites"] == {"patchify_mm": 1}, st
+    assert st["phases_s"]["codegen"] > 0 and st["total_s"] >= st["phases_s"]["codegen"], st
     convlower.reset_report()
     f2, r2 = _warm(m, x, tmp_path)
     assert r2.saved.state == "loaded" and r2.cache == "saved" and r2.warm, r2.saved
+    assert r2.saved.compile_s == pytest.approx(r1.first_step_s), "the compile it stands for"
     with torch.no_grad():
         torch.testing.assert_close(f2(x), m(x), rtol=1e-5, atol=1e-5)
     convs = convlower.report().convolutions

@@ -39,10 +39,12 @@ class SavedCompile:
     missed: str = ""      # why no saved compile was used (nothing yet, stale, unreadable)
     broken: bool = False  # a saved compile was there but corrupt or refused (worth a warning)
     load_s: float = 0.0   # reading and loading the saved function
+    compile_s: float = 0.0  # what the compile it stands for took (the saving process's)
     path: str = ""
 
     def __str__(self) -> str:
-        head = {"loaded": f"loaded in {self.load_s:.2f} s", "saved": "saved for the next process"}
+        head = {"loaded": f"loaded in {self.load_s:.2f} s (its compile took {self.compile_s:.1f} s)",
+                "saved": "saved for the next process"}
         text = head.get(self.state, self.state)
         notes = "; ".join(n for n in (self.missed, self.why) if n)
         return f"{text} ({notes})" if notes else text
@@ -57,15 +59,17 @@ class SavedModel:
         self._fallback = None
         ti.skip_saved_guard_check(fn)  # checked here, once per call
 
-    def __call__(self, *args):
-        if ti.guard_passes(self._fn, self._model, *args):
-            return self._fn(self._model, *args)
+    def __call__(self, *args, **kwargs):
+        if ti.guard_passes(self._fn, self._model, *args, **kwargs):
+            return self._fn(self._model, *args, **kwargs)
         if self._fallback is None:
             log.info("convlower: a call does not fit the saved compile's guards; compiling")
             self._fallback = self._make_fallback()
-        return self._fallback(*args)
+        return self._fallback(*args, **kwargs)
 
     def __getattr__(self, name):
+        if name.startswith("_"):  # our own, before __init__ set them (copy, pickle)
+            raise AttributeError(name)
         return getattr(self._model, name)
 
 
@@ -101,6 +105,7 @@ def load(folder: str, model, inputs: tuple, context: dict) -> tuple[Optional[obj
         return None, status
     _report_records(header.get("records"))
     status.state, status.load_s = "loaded", time.perf_counter() - start
+    status.compile_s = float(header.get("compile_s") or 0.0)
     return fn, status
 
 
@@ -121,15 +126,17 @@ def compile_whole(model, inputs: tuple, backend: Callable, dynamic=None):
                                inputs, backend, dynamic)
 
 
-def save(folder: str, fn, model, inputs: tuple, context: dict, records: list) -> SavedCompile:
+def save(folder: str, fn, model, inputs: tuple, context: dict, records: list,
+         compile_s: float = 0.0) -> SavedCompile:
     """Write ``fn`` (from :func:`compile_whole`) with its identity; ``records``: the
-    convolution records of its compile, reported again by the process that loads it."""
+    convolution records of its compile, reported again by the process that loads it;
+    ``compile_s``: what that compile took, to set a load beside."""
     ident = _identity.identity(model, inputs, context)
-    header = {"identity": ident, "sources": ti.traced_sources(fn),
+    header = {"identity": ident, "sources": ti.traced_sources(fn), "compile_s": compile_s,
               "records": [r.to_dict() for r in records]}
     try:
         path = _store.write(folder, _identity.slot(ident), header, ti.serialize_compiled(fn))
     except Exception as e:
         log.warning("convlower: could not save the compiled model: %s: %s", type(e).__name__, e)
         return SavedCompile(state="not saved", why=f"writing it failed ({type(e).__name__}: {e})")
-    return SavedCompile(state="saved", path=path)
+    return SavedCompile(state="saved", path=path, compile_s=compile_s)

@@ -19,6 +19,7 @@ from .. import saved as _saved
 from ..backend.compiler import convlower_backend
 from ..backend.options import parse as parse_options
 from ..observe import records as _records
+from ..observe import stats as _stats
 from ..selection import decisions_digest
 from . import session_cache as _cache
 
@@ -40,6 +41,7 @@ class WarmStart:
         self.folder: Optional[str] = None
         self.fn = None        # the compiled function to save (made here, not loaded)
         self.records: list = []
+        self.made_at_us: Optional[int] = None  # when the compile to be saved started
         why = self._why_not(cache_dir, save)
         if why:
             self.status.why = why
@@ -84,6 +86,7 @@ class WarmStart:
 
     def _whole(self) -> Optional[Callable]:
         before = len(_records.records("convolutions"))
+        self.made_at_us = _stats.now_us()
         try:
             self.fn = _saved.compile_whole(self.model, self.inputs, self._backend(),
                                            self.compile_dynamic)
@@ -97,11 +100,19 @@ class WarmStart:
         self.records = _records.records("convolutions")[before:]
         return _saved.SavedModel(self.fn, self.model, self.plain)
 
-    def save(self) -> None:
-        """Write the compile made here for the next process (after any settling)."""
+    def note_compile(self, seconds: float) -> None:
+        """After the first call of a compile made here: its statistics record (torch's AOT
+        compile writes Inductor's timings only as the compiled code is first run)."""
+        if self.fn is not None and self.made_at_us is not None:
+            _stats.record_whole_compile(type(self.model).__qualname__, seconds, self.made_at_us)
+            self.made_at_us = None
+
+    def save(self, compile_s: float) -> None:
+        """Write the compile made here for the next process (after any settling);
+        ``compile_s``: what compiling cost this process (the warm-up's first call)."""
         if self.fn is None or self.folder is None:
             return
         missed = self.status.missed
         self.status = _saved.save(self.folder, self.fn, self.model, self.inputs, self.context(),
-                                  self.records)
+                                  self.records, compile_s)
         self.status.missed = missed

@@ -213,7 +213,7 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
         if settling.changed:  # the model returned runs the measured choices
             settling.steps_before_s = steps
             settling.recompile_s, steps, compiled = _recompile(start, inputs, backward, iters)
-    start.save()
+    start.save(first + settling.recompile_s)
     if cache_dir is not None:
         _cache.save_artifacts(os.path.join(cache_dir, _cache.ARTIFACTS), warns)
     result = _result(first, steps, eager, counts, records, cache_dir, warns, amortize_kw)
@@ -238,7 +238,9 @@ def _recompile(start: WarmStart, inputs, backward: bool, iters: int) -> tuple[fl
     clock = time.perf_counter()
     again = start.again()
     _step(again, inputs, backward)
-    return time.perf_counter() - clock, _timed(again, inputs, backward, iters), again
+    seconds = time.perf_counter() - clock
+    start.note_compile(seconds)
+    return seconds, _timed(again, inputs, backward, iters), again
 
 
 def _first_compiled(start: WarmStart, inputs, backward: bool, iters: int,
@@ -258,6 +260,7 @@ def _first_compiled(start: WarmStart, inputs, backward: bool, iters: int,
             compiled = start.plain()
             _step(compiled, inputs, backward)
         first = time.perf_counter() - clock
+        start.note_compile(first)
         steps = _timed(compiled, inputs, backward, iters)
     return compiled, first, steps, _stats.cache_counts(before, ti.counters()), w.records
 
