@@ -92,3 +92,101 @@ def inductor_config_digest() -> str:
 
     text = json.dumps(config.save_config_portable(), sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+try:  # torch >= 2.10: what a backend returns for torch's AOT compile to save it
+    from torch._dynamo.aot_compile_types import SerializableCallable as _Serializable
+except ImportError:
+    _Serializable = object
+
+
+class SavedSplit(_Serializable):
+    """A graph split into compiled parts (regions) in a form torch's AOT compile can save:
+    ``split_gm``'s call_function nodes named in ``parts`` ({name: (fn, single)}) call compiled
+    parts; each distinct
+    part is saved as AOTAutograd's bundled entry, the graph with torch's GraphPickler.  At
+    module level: the saved blob names this class to load it."""
+
+    def __init__(self, split_gm, parts: dict):
+        self.split_gm, self.parts = split_gm, parts
+
+    def __call__(self, *args):
+        return self.split_gm(*args)
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn) -> bytes:
+        return _serialize_split(fn.split_gm, fn.parts)
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes):
+        return cls(*_deserialize_split(data))
+
+
+def saveable_split(split_gm):
+    """``split_gm`` as a callable torch's AOT compile can save: its call_function nodes named
+    in ``split_gm.meta["compiled_parts"]`` ({name: (compiled function, returns one value)})
+    call compiled parts."""
+    if _Serializable is object:
+        return split_gm
+    return SavedSplit(split_gm, split_gm.meta.get("compiled_parts", {}))
+
+
+def _serialize_split(split_gm, parts: dict) -> bytes:
+    import copy
+    import pickle
+
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    gm = torch.fx.GraphModule(split_gm, copy.deepcopy(split_gm.graph))
+    for node in gm.graph.nodes:  # a compiled part: a named stand-in module while pickled
+        name = getattr(node.target, "__name__", None)
+        if node.op == "call_function" and name in parts:
+            gm.add_submodule(name, torch.nn.Module())
+            node.op, node.target = "call_module", name
+        for key in ("nn_module_stack", "source_fn_stack", "stack_trace"):
+            node.meta.pop(key, None)
+    gm.recompile()
+    distinct: dict[int, int] = {}
+    entries = []
+    index = {}
+    with torch._functorch.config.patch("bundled_autograd_cache", True):
+        for name, (fn, single) in parts.items():
+            if id(fn) not in distinct:
+                distinct[id(fn)] = len(entries)
+                entries.append(fn.serialize())
+            index[name] = (distinct[id(fn)], single)
+    return pickle.dumps({"graph": GraphPickler.dumps(gm, Options(ops_filter=None)),
+                         "entries": entries, "index": index})
+
+
+def _deserialize_split(data: bytes):
+    import pickle
+
+    from torch._functorch._aot_autograd.aot_autograd_result import \
+        deserialize_bundled_cache_entry
+    from torch._subclasses import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    state = pickle.loads(data)
+    gm = GraphPickler.loads(state["graph"], FakeTensorMode(shape_env=ShapeEnv()))
+    fns = [deserialize_bundled_cache_entry(e) for e in state["entries"]]
+    parts = {name: (fns[i], single) for name, (i, single) in state["index"].items()}
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node.target in parts:
+            name = node.target
+            node.op, node.target = "call_function", _calling(name, *parts[name])
+            gm.delete_submodule(name)
+    gm.recompile()
+    return gm, parts
+
+
+def _calling(name: str, fn, single: bool):
+    # A reloaded AOTAutograd entry returns its outputs as a sequence, also for a part that
+    # returned one value when it was compiled (compile_fx unwrapped it then).
+    def call(*args):
+        out = fn(*args)
+        return out[0] if single else out
+
+    call.__name__ = call.__qualname__ = name
+    return call

@@ -67,6 +67,7 @@ def test_second_warmup_loads_the_saved_compile(net, tmp_path):
     convlower.reset_report()
     f2, r2 = _warm(m, x, tmp_path)
     assert r2.saved.state == "loaded" and r2.cache == "saved" and r2.warm, r2.saved
+    assert r2.warnings == [], r2.warnings
     assert r2.saved.compile_s == pytest.approx(r1.first_step_s), "the compile it stands for"
     with torch.no_grad():
         torch.testing.assert_close(f2(x), m(x), rtol=1e-5, atol=1e-5)
@@ -190,8 +191,37 @@ def test_graph_break_is_compiled_as_before_and_says_why(tmp_path):
         torch.testing.assert_close(f(x), m(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kw,why", [({"options": {"regions": "auto"}}, "regions"),
-                                    ({"save_compiled": False}, "save_compiled=False")])
+@pytest.mark.parametrize("backward", [False, True])
+def test_regions_plan_is_saved_and_loaded(tmp_path, backward):
+    """Each distinct part saved once (AOTAutograd's bundled entry), the split graph beside."""
+    from convlower import regions
+    from test_regions import Stack
+
+    torch.manual_seed(0)
+    m, x = Stack(), torch.randn(2, 5, 16, requires_grad=backward)
+    kw = dict(options={"regions": "auto"}, cache_dir=tmp_path, iters=0, settle_budget_s=0,
+              backward=backward)
+    with torch.set_grad_enabled(backward):
+        regions.clear()  # parts compiled earlier in this process have no saveable form
+        _, r1 = convlower.warmup(m, (x,), **kw)
+        regions.clear()
+        f, r2 = convlower.warmup(m, (x,), **kw)
+    assert r1.saved.state == "saved" and r2.saved.state == "loaded", (r1.saved, r2.saved)
+    assert r2.warnings == [], r2.warnings  # the loaded compile ran (no fallback)
+    if not backward:
+        with torch.no_grad():
+            torch.testing.assert_close(f(x), m(x), rtol=1e-5, atol=1e-5)
+        return
+    f(x).square().sum().backward()
+    got = [x.grad.clone()] + [p.grad.clone() for p in m.parameters()]
+    x.grad = None
+    m.zero_grad(set_to_none=True)
+    m(x).square().sum().backward()
+    for g, w in zip(got, [x.grad] + [p.grad for p in m.parameters()]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw,why", [({"save_compiled": False}, "save_compiled=False")])
 def test_not_saved_when_off(net, tmp_path, kw, why):
     m, x = net
     _, r = _warm(m, x, tmp_path, **kw)
@@ -277,3 +307,6 @@ def test_a_fresh_process_loads_what_the_first_saved(tmp_path):
     bad = _worker(tmp_path / "c")
     print("warnings with corrupt kernels:", *bad["warnings"], sep="\n  ")
     assert bad["ok"] and any("discarding that cache" in w for w in bad["warnings"]), bad
+    assert bad["state"] == "saved", bad  # compiled again and saved in its place
+    again = _worker(tmp_path / "c")
+    assert again["ok"] and again["state"] == "loaded" and again["warnings"] == [], again

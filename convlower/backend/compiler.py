@@ -74,8 +74,8 @@ def convlower_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[s
             log.warning("convlower: regions failed (%s: %s); compiling the graph whole",
                         type(e).__name__, e)
             split = None
-        if split is not None:
-            return split
+        if split is not None:  # in a form torch's AOT compile can save (a warm-up's saved compile)
+            return ti.saveable_split(split)
     return _compile_graph(gm, example_inputs, mode, opts)
 
 

@@ -43,14 +43,19 @@ def clear() -> None:
         _compiled.clear()
 
 
-def _call_compiled(split_gm: torch.fx.GraphModule, part: str, fn: Callable) -> None:
+def _call_compiled(split_gm: torch.fx.GraphModule, part: str, fn: Callable,
+                   single: bool) -> None:
     """The split graph calls ``fn`` where it called submodule ``part``: a plain function call
-    (an nn.Module's ``__call__`` would add its hook machinery to every call of every part)."""
+    (an nn.Module's ``__call__`` would add its hook machinery to every call of every part).
+    ``split_gm.meta["compiled_parts"]`` names them, for a saved compile (torch_saved.py),
+    with ``single``: the part returns one value, not a tuple (what a reloaded AOTAutograd
+    entry returns)."""
 
     def call(*args):
         return fn(*args)
 
     call.__name__ = call.__qualname__ = f"compiled_{part}"
+    split_gm.meta.setdefault("compiled_parts", {})[call.__name__] = (fn, single)
     for node in split_gm.graph.nodes:
         if node.op == "call_module" and node.target == part:
             node.op, node.target = "call_function", call
@@ -102,9 +107,11 @@ def compile_regions(gm: torch.fx.GraphModule, setting: Setting, compile_graph: C
             continue
         inputs = _inputs(sub)
         key = signature(sub, inputs, _context(context, inputs))
+        # before compiling: compile_fx rewrites a graph that returns one value to return a tuple
+        single = not isinstance(sub.graph.output_node().args[0], (tuple, list))
         fn, how, spent, first = _compiled_part(sub, inputs, key, f"{name}.{part.name}",
                                                compile_graph)
-        _call_compiled(split_gm, part.name, fn)
+        _call_compiled(split_gm, part.name, fn, single)
         _note(name, part, key, how, spent, first)
     split_gm.recompile()
     return split_gm

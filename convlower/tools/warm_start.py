@@ -53,8 +53,6 @@ class WarmStart:
             return "no cache_dir"
         if not save:
             return "save_compiled=False"
-        if parse_options(self.options).regions != "off":
-            return "the regions plan compiles parts that cannot be saved as one function yet"
         return _saved.available() or ""
 
     def _backend(self) -> Callable:
@@ -79,6 +77,16 @@ class WarmStart:
         if fn is not None:
             return _saved.SavedModel(fn, self.model, self.plain)
         return self._whole() or self.plain()
+
+    def recover(self, error: Exception) -> Callable:
+        """After the first call failed on a broken cache (the caller discarded Inductor's):
+        compile again, to be saved again when it can be."""
+        if self.status.state == "loaded":
+            first = (str(error).strip().splitlines() or [""])[0][:200]
+            self.status = _saved.SavedCompile(
+                state="not saved", broken=True,
+                missed=f"the saved compile failed to run ({type(error).__name__}: {first})")
+        return (self._whole() if self.folder else None) or self.plain()
 
     def again(self) -> Callable:
         """A new compile after the warm-up changed decisions (saved again when it can be)."""

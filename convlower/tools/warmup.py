@@ -257,7 +257,7 @@ def _first_compiled(start: WarmStart, inputs, backward: bool, iters: int,
             if cache_dir is None:
                 raise
             _cache.fresh_inductor_dir(cache_dir, e, warns)  # a corrupt entry: start it over
-            compiled = start.plain()
+            compiled = start.recover(e)
             _step(compiled, inputs, backward)
         first = time.perf_counter() - clock
         start.note_compile(first)
