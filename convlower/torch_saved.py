@@ -62,12 +62,14 @@ def compile_saveable(method: Callable, inputs: tuple, backend: Callable, dynamic
         return compiled.aot_compile((tuple(inputs), {}))
 
 
-def serialize_compiled(fn) -> bytes:
-    return type(fn).serialize(fn).serialized_data
+def serialize_compiled(fn, model) -> bytes:
+    # A module the trace kept a reference to (a bare nn.Conv3d's own forward) is written as a
+    # reference to "the model", which the loading process supplies: its own.
+    return type(fn).serialize(fn, {"model": model}).serialized_data
 
 
-def deserialize_compiled(data: bytes):
-    return torch.compiler.load_compiled_function(io.BytesIO(data))
+def deserialize_compiled(data: bytes, model):
+    return torch.compiler.load_compiled_function(io.BytesIO(data), external_data={"model": model})
 
 
 def guard_passes(fn, *args: Any, **kwargs: Any) -> bool:

@@ -69,6 +69,7 @@ def test_second_warmup_loads_the_saved_compile(net, tmp_path):
     assert r2.saved.state == "loaded" and r2.cache == "saved" and r2.warm, r2.saved
     assert r2.warnings == [], r2.warnings
     assert r2.saved.compile_s == pytest.approx(r1.first_step_s), "the compile it stands for"
+    assert r2.saved.compile_phases_s == r1.statistics["phases_s"]  # cold beside warm
     with torch.no_grad():
         torch.testing.assert_close(f2(x), m(x), rtol=1e-5, atol=1e-5)
     convs = convlower.report().convolutions
@@ -189,6 +190,8 @@ def test_graph_break_is_compiled_as_before_and_says_why(tmp_path):
     assert r.saved.state == "not saved" and "one graph" in r.saved.why, r.saved
     with torch.no_grad():
         torch.testing.assert_close(f(x), m(x), rtol=1e-5, atol=1e-5)
+    _, again = _warm(m, x, tmp_path)  # the next warm-up does not try to capture it whole
+    assert again.saved.known and "earlier warm-up" in again.saved.why, again.saved
 
 
 @pytest.mark.parametrize("backward", [False, True])
@@ -227,6 +230,18 @@ def test_not_saved_when_off(net, tmp_path, kw, why):
     _, r = _warm(m, x, tmp_path, **kw)
     assert r.saved.state == "off" and why in r.saved.why
     assert not (tmp_path / "saved").exists() or not any((tmp_path / "saved").iterdir())
+
+
+def test_a_bare_module_is_saved_too(tmp_path):
+    """nn.Conv3d's own forward: the trace keeps a reference to the module itself."""
+    torch.manual_seed(0)
+    m, x = torch.nn.Conv3d(4, 8, 2, 2).eval(), torch.randn(1, 4, 4, 8, 8)
+    _, r1 = _warm(m, x, tmp_path)
+    f, r2 = _warm(m, x, tmp_path)
+    assert r1.saved.state == "saved" and r2.saved.state == "loaded", (r1.saved, r2.saved)
+    with torch.no_grad():
+        m.weight.mul_(2)  # the loading process's own module is the one called
+        torch.testing.assert_close(f(x), m(x), rtol=1e-5, atol=1e-5)
 
 
 def test_identity_fields():

@@ -38,12 +38,16 @@ class SavedCompile:
     why: str = ""         # why nothing is saved (off, not saved)
     missed: str = ""      # why no saved compile was used (nothing yet, stale, unreadable)
     broken: bool = False  # a saved compile was there but corrupt or refused (worth a warning)
+    known: bool = False   # an earlier warm-up found this model cannot be saved: do not retry
     load_s: float = 0.0   # reading and loading the saved function
     compile_s: float = 0.0  # what the compile it stands for took (the saving process's)
+    compile_phases_s: dict = dataclasses.field(default_factory=dict)  # that compile by phase
     path: str = ""
 
     def __str__(self) -> str:
-        head = {"loaded": f"loaded in {self.load_s:.2f} s (its compile took {self.compile_s:.1f} s)",
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in self.compile_phases_s.items() if v >= 0.05)
+        took = f"{self.compile_s:.1f} s" + (f": {phases}" if phases else "")
+        head = {"loaded": f"loaded in {self.load_s:.2f} s (its compile took {took})",
                 "saved": "saved for the next process"}
         text = head.get(self.state, self.state)
         notes = "; ".join(n for n in (self.missed, self.why) if n)
@@ -97,8 +101,11 @@ def load(folder: str, model, inputs: tuple, context: dict) -> tuple[Optional[obj
     if stale:
         status.missed = f"the saved compile is stale: {', '.join(stale)} changed"
         return None, status
+    if header.get("unsaveable"):  # no blob: an earlier warm-up's failed capture, not redone
+        status.why, status.known = f"{header['unsaveable']} (an earlier warm-up found)", True
+        return None, status
     try:
-        fn = ti.deserialize_compiled(blob)
+        fn = ti.deserialize_compiled(blob, model)
     except Exception as e:  # written by something else, or torch refused it
         status.missed = f"the saved compile did not load ({type(e).__name__}: {e})"
         status.broken = True
@@ -106,7 +113,20 @@ def load(folder: str, model, inputs: tuple, context: dict) -> tuple[Optional[obj
     _report_records(header.get("records"))
     status.state, status.load_s = "loaded", time.perf_counter() - start
     status.compile_s = float(header.get("compile_s") or 0.0)
+    phases = header.get("compile_phases_s")
+    status.compile_phases_s = phases if isinstance(phases, dict) else {}
     return fn, status
+
+
+def mark_unsaveable(folder: str, model, inputs: tuple, context: dict, why: str) -> None:
+    """Remember that ``model`` cannot be captured whole (a graph break), so later warm-ups
+    skip the attempt (a partial trace each time) until the model's code or settings change."""
+    ident = _identity.identity(model, inputs, context)
+    header = {"identity": ident, "sources": _identity.model_sources(model), "unsaveable": why}
+    try:
+        _store.write(folder, _identity.slot(ident), header, b"")
+    except OSError as e:
+        log.warning("convlower: could not note that the model cannot be saved: %s", e)
 
 
 def _report_records(saved: object) -> None:
@@ -127,16 +147,18 @@ def compile_whole(model, inputs: tuple, backend: Callable, dynamic=None):
 
 
 def save(folder: str, fn, model, inputs: tuple, context: dict, records: list,
-         compile_s: float = 0.0) -> SavedCompile:
+         compile_s: float = 0.0, phases_s: Optional[dict] = None) -> SavedCompile:
     """Write ``fn`` (from :func:`compile_whole`) with its identity; ``records``: the
     convolution records of its compile, reported again by the process that loads it;
-    ``compile_s``: what that compile took, to set a load beside."""
+    ``compile_s``, ``phases_s``: what that compile took, to set a load beside."""
     ident = _identity.identity(model, inputs, context)
     header = {"identity": ident, "sources": ti.traced_sources(fn), "compile_s": compile_s,
+              "compile_phases_s": dict(phases_s or {}),
               "records": [r.to_dict() for r in records]}
     try:
-        path = _store.write(folder, _identity.slot(ident), header, ti.serialize_compiled(fn))
+        path = _store.write(folder, _identity.slot(ident), header, ti.serialize_compiled(fn, model))
     except Exception as e:
         log.warning("convlower: could not save the compiled model: %s: %s", type(e).__name__, e)
         return SavedCompile(state="not saved", why=f"writing it failed ({type(e).__name__}: {e})")
-    return SavedCompile(state="saved", path=path, compile_s=compile_s)
+    return SavedCompile(state="saved", path=path, compile_s=compile_s,
+                        compile_phases_s=dict(phases_s or {}))

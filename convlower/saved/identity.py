@@ -73,6 +73,14 @@ def source_digest(module_name: str) -> str:
         return ""
 
 
+def model_sources(model) -> dict[str, str]:
+    """{module: source digest} of the classes ``model`` is built from (torch's own aside: the
+    torch version is in the identity)."""
+    kinds = model.modules() if isinstance(model, torch.nn.Module) else [model]
+    names = {type(m).__module__ for m in kinds} - {"builtins"}
+    return {n: source_digest(n) for n in sorted(names) if not n.startswith("torch.")}
+
+
 def changed_sources(saved: dict) -> list[str]:
     """Modules whose source differs from the one the saved trace read."""
     return sorted(m for m, digest in saved.items() if source_digest(m) != digest)

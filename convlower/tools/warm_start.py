@@ -76,7 +76,9 @@ class WarmStart:
             self.warns.add(f"convlower: {self.status.missed}; compiling again")
         if fn is not None:
             return _saved.SavedModel(fn, self.model, self.plain)
-        return self._whole() or self.plain()
+        if self.status.known:
+            return self.plain()
+        return self._whole(remember=True) or self.plain()
 
     def recover(self, error: Exception) -> Callable:
         """After the first call failed on a broken cache (the caller discarded Inductor's):
@@ -92,7 +94,7 @@ class WarmStart:
         """A new compile after the warm-up changed decisions (saved again when it can be)."""
         return (self._whole() if self.fn is not None else None) or self.plain()
 
-    def _whole(self) -> Optional[Callable]:
+    def _whole(self, remember: bool = False) -> Optional[Callable]:
         before = len(_records.records("convolutions"))
         self.made_at_us = _stats.now_us()
         try:
@@ -103,6 +105,9 @@ class WarmStart:
             self.status.state = "not saved"
             self.status.why = f"not saveable as one graph ({type(e).__name__}: {first})"
             log.info("convlower: %s", self.status.why)
+            if remember:
+                _saved.mark_unsaveable(self.folder, self.model, self.inputs, self.context(),
+                                       self.status.why)
             self.fn = None
             return None
         self.records = _records.records("convolutions")[before:]
@@ -115,12 +120,12 @@ class WarmStart:
             _stats.record_whole_compile(type(self.model).__qualname__, seconds, self.made_at_us)
             self.made_at_us = None
 
-    def save(self, compile_s: float) -> None:
+    def save(self, compile_s: float, phases_s: dict) -> None:
         """Write the compile made here for the next process (after any settling);
-        ``compile_s``: what compiling cost this process (the warm-up's first call)."""
+        ``compile_s``, ``phases_s``: what compiling cost this process, by phase."""
         if self.fn is None or self.folder is None:
             return
         missed = self.status.missed
         self.status = _saved.save(self.folder, self.fn, self.model, self.inputs, self.context(),
-                                  self.records, compile_s)
+                                  self.records, compile_s, phases_s)
         self.status.missed = missed

@@ -9,6 +9,9 @@ compile statistics (:mod:`convlower.observe.stats`) and the amortisation verdict
 With ``cache_dir`` it persists, and reuses in the next process, what makes a compile cheap
 (:mod:`.session_cache`: Inductor's cache, the portable artifacts, convlower's decisions).
 
+With ``cache_dir`` it also saves the compiled model whole (:mod:`.warm_start`,
+:mod:`convlower.saved`), and the next process's warm-up loads it without tracing again.
+
 Once the model is usable, the warm-up settles the close calls ``select="auto"`` left open
 (:mod:`convlower.selection.close_calls`, within ``settle_budget_s``): each is compiled and timed,
 the measured choice is stored where the next compile reads it, and when a choice changed the
@@ -213,7 +216,7 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
         if settling.changed:  # the model returned runs the measured choices
             settling.steps_before_s = steps
             settling.recompile_s, steps, compiled = _recompile(start, inputs, backward, iters)
-    start.save(first + settling.recompile_s)
+    start.save(first + settling.recompile_s, _stats.totals(records)["phases_s"])
     if cache_dir is not None:
         _cache.save_artifacts(os.path.join(cache_dir, _cache.ARTIFACTS), warns)
     result = _result(first, steps, eager, counts, records, cache_dir, warns, amortize_kw)
