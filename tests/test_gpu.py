@@ -230,7 +230,8 @@ WORKER = textwrap.dedent(r"""
     model = model.to(device)
     inputs = tuple(t.to(device) for t in inputs)
     with torch.no_grad():
-        f, r = convlower.warmup(model, inputs, cache_dir=cache_dir, iters=2)
+        f, r = convlower.warmup(model, inputs, cache_dir=cache_dir, iters=2,
+                                save_compiled=False)  # Inductor's caches (saved: test_saved)
         out, ref = f(*inputs), model(*inputs)
         err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
     from convlower.backend.conv_pass import ConvLowerPass
