@@ -27,6 +27,10 @@ log = logging.getLogger("convlower")
 SUBDIR = "saved"
 
 
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+
+
 class WarmStart:
     """The compiled model of one warm-up, and what became of its saved compile."""
 
@@ -84,10 +88,9 @@ class WarmStart:
         """After the first call failed on a broken cache (the caller discarded Inductor's):
         compile again, to be saved again when it can be."""
         if self.status.state == "loaded":
-            first = (str(error).strip().splitlines() or [""])[0][:200]
             self.status = _saved.SavedCompile(
                 state="not saved", broken=True,
-                missed=f"the saved compile failed to run ({type(error).__name__}: {first})")
+                missed=f"the saved compile failed to run ({_first_line(error)})")
         return (self._whole() if self.folder else None) or self.plain()
 
     def again(self) -> Callable:
@@ -101,9 +104,8 @@ class WarmStart:
             self.fn = _saved.compile_whole(self.model, self.inputs, self._backend(),
                                            self.compile_dynamic)
         except Exception as e:  # a graph break, an unsaveable backend output: compile plainly
-            first = (str(e).strip().splitlines() or [""])[0][:200]
             self.status.state = "not saved"
-            self.status.why = f"not saveable as one graph ({type(e).__name__}: {first})"
+            self.status.why = f"not saveable as one graph ({_first_line(e)})"
             log.info("convlower: %s", self.status.why)
             if remember:
                 _saved.mark_unsaveable(self.folder, self.model, self.inputs, self.context(),
