@@ -24,10 +24,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+from fresh_process import machine_line, new_cache, run_worker  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 EXTRA = ("wan-vae-encoder-train", "wan-vae-dynamic")
@@ -134,15 +135,12 @@ def _steady_ratio(fn, compiled, inputs, backward, params, rounds=7) -> dict:
 
 # -- the driver ----------------------------------------------------------------------------------
 def run_fresh(model, dtype, size, run, decisions, select, timeout) -> dict:
-    with tempfile.TemporaryDirectory() as inductor_cache:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_cache,
-                   CONVLOWER_CACHE_DIR=decisions)
+    with tempfile.TemporaryDirectory() as root:
+        cache = new_cache(os.path.join(root, "inductor"))
         cmd = [sys.executable, HERE, "--worker", "--model", model, "--dtype", dtype,
                "--size", size, "--run", run, "--select", select]
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        return {"error": (p.stderr.strip().splitlines() or ["?"])[-1][:200]}
-    return json.loads(p.stdout.strip().splitlines()[-1])
+        return run_worker(cmd, {"TORCHINDUCTOR_CACHE_DIR": cache, "CONVLOWER_CACHE_DIR": decisions},
+                          timeout)
 
 
 def row(model, dtype, size, select, timeout) -> dict:
@@ -204,7 +202,7 @@ def main() -> None:
             print(f"[bench] {model} {dtype} ...", file=sys.stderr, flush=True)
             rows.append(row(model, dtype, args.size, args.select, args.timeout))
             print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
-    print(f"select={args.select}, size={args.size}, fresh processes, empty caches")
+    print(f"select={args.select}, size={args.size}, fresh processes; {machine_line()}")
     print(table(rows))
 
 

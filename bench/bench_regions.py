@@ -1,6 +1,7 @@
 """Regions against whole-graph compiles: cold compile, warm load, step, break-even calls.
 
-For each model, each plan compiles in a fresh process with an empty Inductor cache (cold), then
+For each model, each plan compiles in a fresh process with an empty Inductor cache (cold; the
+machine's once-only ISA probe pre-made, see fresh_process.py), then
 again in a second fresh process on that cache (warm load); a last process compiles every plan
 on its warm cache and times their steps interleaved with eager (ratios; this machine is shared),
 and checks each plan's output against eager (fp32, relative to the output's largest value).
@@ -19,10 +20,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+from fresh_process import machine_line, new_cache, run_worker  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 PLANS = ("inductor", "convlower", "regions", "blocks")
@@ -144,16 +146,9 @@ def child_steps(name, size, plans, train, rounds) -> dict:
 
 
 def _child(args: list[str], cache: str) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, CONVLOWER_CACHE_DIR=cache + "-convlower")
-    setup = json.dumps(SETUP)
-    try:
-        out = subprocess.run([sys.executable, HERE, "--child", json.dumps(args), "--setup", setup],
-                             env=env, capture_output=True, text=True, timeout=SETUP.get("timeout"))
-    except subprocess.TimeoutExpired:
-        return {"error": f"over the {SETUP.get('timeout')} s limit"}
-    if out.returncode != 0:
-        return {"error": (out.stderr.strip().splitlines() or ["?"])[-1]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    env = {"TORCHINDUCTOR_CACHE_DIR": cache, "CONVLOWER_CACHE_DIR": cache + "-convlower"}
+    return run_worker([sys.executable, HERE, "--child", json.dumps(args), "--setup", json.dumps(SETUP)],
+                      env, SETUP.get("timeout"))
 
 
 def measure(name, size, train, rounds) -> dict:
@@ -162,14 +157,14 @@ def measure(name, size, train, rounds) -> dict:
     root = tempfile.mkdtemp(prefix="bench-regions-")
     res = {"plans": plans}
     for plan in plans:
-        cache = os.path.join(root, plan)
+        cache = new_cache(os.path.join(root, plan))
         print(f"[{name}] {plan}: cold compile ...", file=sys.stderr, flush=True)
         res[plan] = {"cold": _child(["compile", name, size, plan, train], cache)}
         print(f"[{name}] {plan}: warm load ...", file=sys.stderr, flush=True)
         res[plan]["warm"] = (_child(["compile", name, size, plan, train], cache)
                              if SETUP.get("warm", True) else {})
     print(f"[{name}] steps ...", file=sys.stderr, flush=True)
-    res["steps"] = _child(["steps", name, size, plans, train, rounds], os.path.join(root, "steps"))
+    res["steps"] = _child(["steps", name, size, plans, train, rounds], new_cache(os.path.join(root, "steps")))
     return res
 
 
@@ -193,7 +188,8 @@ def table(name: str, res: dict) -> str:
         breakeven = f"{cold / gain:.0f}" if gain > 0 else "never"
         extra = (f" ({res[plan]['cold']['compiled']} compiled / {res[plan]['cold']['reused']} "
                  f"reused of {res[plan]['cold']['parts']})" if plan == "regions" else "")
-        rows.append(f"| {name} | {plan}{extra} | {cold:.1f} | {warm:.1f} | {step * 1e3:.1f} | "
+        warm = "–" if warm is None else f"{warm:.1f}"  # --no-warm
+        rows.append(f"| {name} | {plan}{extra} | {cold:.1f} | {warm} | {step * 1e3:.1f} | "
                     f"{cold / ind_cold:.2f} | {step / ind:.3f} | {breakeven} | {err:.1e} |")
     return "\n".join(r for r in rows if r)
 
@@ -229,6 +225,7 @@ def main() -> None:
     for name in a.models.split(","):
         raw[name] = measure(name, a.size, a.train, a.rounds)
         print(table(name, raw[name]), flush=True)
+    print(machine_line())
     if a.json:
         with open(a.json, "w") as f:
             json.dump(raw, f, indent=1)

@@ -1,6 +1,7 @@
 """Cold compile vs warm load in fresh processes: what a later session pays (issue 21).
 
-For each zoo model and plan, one process compiles on an empty cache folder (cold), a second
+For each zoo model and plan, one process compiles on an empty cache folder (cold; the machine's
+once-only ISA probe pre-made, see fresh_process.py), a second
 process compiles again on the same folder (warm load).  Plans: ``inductor`` (Inductor's own
 caches in the folder), ``convlower`` (``convlower.warmup(..., cache_dir=D)``: the second
 process loads the saved compile), ``traced`` (the same with ``save_compiled=False``: Dynamo
@@ -20,10 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
+
+from fresh_process import machine_line, new_cache, run_worker  # noqa: E402
 
 PLANS = ("inductor", "convlower", "traced", "regions")
 DEFAULT_MODELS = ("qwen2.5-vl-patch-embed", "vit-patch-embed", "wan-dit-stack", "sdxl-unet")
@@ -69,20 +71,13 @@ def worker(model: str, size: str, plan: str, cache_dir: str) -> dict:
 
 
 def run(model, size, plan, cache_dir, timeout) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FORCE_DISABLE_CACHES",
-                        "CONVLOWER_CACHE_DIR")}
-    if plan == "inductor":  # convlower.warmup points Inductor at <cache_dir>/inductor itself
-        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor")
-    try:
-        p = subprocess.run([sys.executable, __file__, "--worker", model, size, plan, cache_dir],
-                           env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout} s"}
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    if p.returncode != 0 or not lines:
-        return {"error": (p.stderr.strip().splitlines() or ["?"])[-1][:200]}
-    return json.loads(lines[-1][len("RESULT "):])
+    inductor = os.path.join(cache_dir, "inductor")  # where convlower.warmup points Inductor
+    if not os.path.exists(inductor):
+        new_cache(inductor)
+    env = {"TORCHINDUCTOR_CACHE_DIR": inductor if plan == "inductor" else None,
+           "TORCHINDUCTOR_FORCE_DISABLE_CACHES": None, "CONVLOWER_CACHE_DIR": None}
+    return run_worker([sys.executable, __file__, "--worker", model, size, plan, cache_dir],
+                      env, timeout, marker="RESULT ")
 
 
 def _phases(ph: dict) -> str:
@@ -122,6 +117,7 @@ def main() -> None:
                   f"{warm['compile_s'] / cold['compile_s']:.3f} | {vs} | "
                   f"{cold['compile_s'] / max(warm['compile_s'], 1e-9):.1f}x | {calls} | "
                   f"{_phases(warm['phases'])} |", flush=True)
+    print(machine_line())
 
 
 if __name__ == "__main__":
