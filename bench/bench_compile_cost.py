@@ -17,6 +17,7 @@ and Inductor step / convlower step (> 1: convlower faster).
 
     .venv/bin/python bench/bench_compile_cost.py                       # every zoo model, small
     .venv/bin/python bench/bench_compile_cost.py --models wan-vae --dtypes float32 --select measure
+    .venv/bin/python bench/bench_compile_cost.py --train --dtypes float32   # forward+backward rows
 """
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def worker(args) -> dict:
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     fn, inputs, module = _model(args.model, args.size, dtype)
-    backward = args.model == "wan-vae-encoder-train"
+    backward = args.model == "wan-vae-encoder-train" or args.train
     params = [p for p in module.parameters()] if backward else []
     for p in module.parameters():
         p.requires_grad_(backward)
@@ -134,20 +135,21 @@ def _steady_ratio(fn, compiled, inputs, backward, params, rounds=7) -> dict:
 
 
 # -- the driver ----------------------------------------------------------------------------------
-def run_fresh(model, dtype, size, run, decisions, select, timeout) -> dict:
+def run_fresh(model, dtype, size, run, decisions, select, timeout, train=False) -> dict:
     with tempfile.TemporaryDirectory() as root:
         cache = new_cache(os.path.join(root, "inductor"))
         cmd = [sys.executable, HERE, "--worker", "--model", model, "--dtype", dtype,
-               "--size", size, "--run", run, "--select", select]
+               "--size", size, "--run", run, "--select", select] + (["--train"] if train else [])
         return run_worker(cmd, {"TORCHINDUCTOR_CACHE_DIR": cache, "CONVLOWER_CACHE_DIR": decisions},
                           timeout)
 
 
-def row(model, dtype, size, select, timeout) -> dict:
+def row(model, dtype, size, select, timeout, train=False) -> dict:
     with tempfile.TemporaryDirectory() as decisions:
-        res = {r: run_fresh(model, dtype, size, r, decisions, select, timeout)
+        res = {r: run_fresh(model, dtype, size, r, decisions, select, timeout, train)
                for r in ("inductor", "cold", "warm")}
-    out = {"model": model, "dtype": dtype, **{f"{r}_s": res[r].get("compile_s") for r in res}}
+    out = {"model": model + (" fwd+bwd" if train else ""), "dtype": dtype,
+           **{f"{r}_s": res[r].get("compile_s") for r in res}}
     errors = [f"{r}: {res[r]['error']}" for r in res if "error" in res[r]]
     if errors:
         return dict(out, error="; ".join(errors))
@@ -187,6 +189,8 @@ def main() -> None:
     ap.add_argument("--size", default="small", choices=("tiny", "small"))
     ap.add_argument("--select", default="auto")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per process")
+    ap.add_argument("--train", action="store_true",
+                    help="forward+backward (every model; the training row is one anyway)")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args)))
@@ -197,10 +201,10 @@ def main() -> None:
     rows = []
     for model in models:
         for dtype in args.dtypes.split(","):
-            if model in EXTRA and dtype != "float32":
+            if model in EXTRA and (dtype != "float32" or args.train):
                 continue  # the training and recompile rows: fp32 only
             print(f"[bench] {model} {dtype} ...", file=sys.stderr, flush=True)
-            rows.append(row(model, dtype, args.size, args.select, args.timeout))
+            rows.append(row(model, dtype, args.size, args.select, args.timeout, args.train))
             print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     print(f"select={args.select}, size={args.size}, fresh processes; {machine_line()}")
     print(table(rows))
