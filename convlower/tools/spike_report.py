@@ -9,6 +9,12 @@ from .amortize import DONT
 from .spike_runner import COMPILED, SpikeError
 
 
+def _present(results: dict) -> list[str]:
+    """The compared plans in ``results``, in COMPILED's order (``blocks`` only where the model
+    has its own repeated blocks)."""
+    return [b for b in COMPILED if b in results]
+
+
 def plan_for_session(results: dict, calls: int) -> dict:
     """The plan with the least total time over a session of ``calls`` calls: its cold compile
     plus ``calls`` steps (eager: the steps alone); the warm-load total beside it."""
@@ -16,8 +22,8 @@ def plan_for_session(results: dict, calls: int) -> dict:
         return {"calls": calls, "plan": None, "plan_warm": None, "text": "", "totals_s": {}}
     eager = results["eager"]["step_median_s"] * calls
     totals = {"eager": (eager, eager)}
-    for b in COMPILED:
-        r = results.get(b, {})
+    for b in _present(results):
+        r = results[b]
         if r.get("error") is None and r.get("cold_compile_s") is not None:
             steps = r["step_median_s"] * calls
             totals[b] = (r["cold_compile_s"] + steps, r["warm_compile_s"] + steps)
@@ -34,8 +40,8 @@ def recommend(results: dict, session_calls: int = 1000) -> dict:
     """The answer: which backend (if any) to compile with, and when; and which plan has the
     least total time over a session of ``session_calls`` calls."""
     session = plan_for_session(results, session_calls)
-    ranked = [results[b] for b in COMPILED
-              if results.get(b, {}).get("verdict_code") in ("session_load", "long_sessions")]
+    ranked = [results[b] for b in _present(results)
+              if results[b].get("verdict_code") in ("session_load", "long_sessions")]
     if not ranked:
         return {"backend": "eager", "verdict": DONT, "session": session,
                 "text": "; ".join(t for t in ("stay eager: no backend is worth its compile time "
@@ -76,7 +82,7 @@ def format_report(res: dict) -> str:
     if phases:
         out += ["convlower cold compile by phase: "
                 + ", ".join(f"{k} {_ms(v)}" for k, v in phases.items()), ""]
-    for x in COMPILED:
+    for x in _present(b):
         out.append(f"{x}: {b[x]['verdict']} - {b[x]['reason']}")
         details = b[x].get("graph_break_details")  # convlower's compile statistics
         for d in details or []:
@@ -100,8 +106,9 @@ def format_report(res: dict) -> str:
 
 
 def _table(b: dict) -> str:
-    rows = [["", "eager"] + list(COMPILED)]
-    get = lambda k, f: [f(b[x].get(k)) if b[x].get("error") is None else "failed" for x in COMPILED]
+    plans = _present(b)
+    rows = [["", "eager"] + plans]
+    get = lambda k, f: [f(b[x].get(k)) if b[x].get("error") is None else "failed" for x in plans]
     num = lambda v: "-" if v is None else str(v)
     rows += [
         ["cold compile"] + ["-"] + get("cold_compile_s", _ms),
@@ -118,7 +125,7 @@ def _table(b: dict) -> str:
         ["max rel error", "-"] + get("max_rel_err", lambda v: f"{v:.2e}"),
         ["lowered convs", "-"] + get("lowered_by_rule", lambda d: ", ".join(f"{k} x{v}" for k, v in d.items()) or "none"),
     ]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
@@ -147,7 +154,7 @@ def _conv_lines(res: dict) -> list[str]:
 
 
 def plot(res: dict, path: str) -> str:
-    """Cumulative time against calls for the three backends, break-even points marked."""
+    """Cumulative time against calls for eager and every plan, break-even points marked."""
     try:
         import matplotlib
     except ImportError:
@@ -157,13 +164,13 @@ def plot(res: dict, path: str) -> str:
 
     b = res["backends"]
     eager = b["eager"]["step_median_s"]
-    ok = [x for x in COMPILED if b[x].get("error") is None]
+    ok = [x for x in _present(b) if b[x].get("error") is None]
     evens = [b[x][k] for x in ok for k in ("break_even_calls", "break_even_calls_warm") if b[x][k]]
     n_max = max([2 * n for n in evens] + [10])
     calls = [0, n_max]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(calls, [0, eager * n_max], color="black", label=f"eager ({_ms(eager)}/call)")
-    for x, color in zip(ok, ("tab:blue", "tab:orange")):
+    for x, color in zip(ok, ("tab:blue", "tab:orange", "tab:green", "tab:red")):
         step = b[x]["step_median_s"]
         for kind, style in (("cold", "-"), ("warm", ":")):
             c = b[x][f"{kind}_compile_s"]

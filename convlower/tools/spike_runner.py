@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import statistics
 import sys
@@ -17,10 +18,20 @@ from .. import torch_internals as ti
 from ..device import sync, tensors
 from ..observe import stats
 
-BACKENDS = ("eager", "inductor", "convlower", "convlower-regions")
-# Plans compiled and compared: Inductor and convlower on the whole graph, and convlower with
-# each repeated block compiled once (options regions="auto", or the caller's class list).
-COMPILED = ("inductor", "convlower", "convlower-regions")
+BACKENDS = ("eager", "inductor", "convlower", "convlower-regions", "blocks")
+# Plans compiled and compared: Inductor and convlower on the whole graph, convlower with
+# each repeated block compiled once (options regions="auto", or the caller's class list), and
+# the model's own compile_repeated_blocks() (diffusers; Inductor, blocks only) where it has one.
+COMPILED = ("inductor", "convlower", "convlower-regions", "blocks")
+
+
+def own_blocks(model) -> Optional[torch.nn.Module]:
+    """The module of ``model`` with its own ``compile_repeated_blocks()`` and a non-empty
+    ``_repeated_blocks`` list (diffusers' convention), or None."""
+    for m in model.modules() if isinstance(model, torch.nn.Module) else ():
+        if callable(getattr(m, "compile_repeated_blocks", None)) and getattr(m, "_repeated_blocks", None):
+            return m
+    return None
 
 
 class SpikeError(Exception):
@@ -85,15 +96,30 @@ class Runner:
         self.model, self.inputs, self.cfg = model, inputs, cfg
         self.device = torch.device(cfg.device)
         params = [p for p in model.parameters() if p.requires_grad] if hasattr(model, "parameters") else []
+        self.trains_parameters = bool(params)
         if cfg.backward and not params:  # nothing to train: differentiate the inputs instead
             self.inputs = tuple(x.detach().requires_grad_() if isinstance(x, torch.Tensor)
                                 and x.is_floating_point() else x for x in inputs)
             params = [x for x in self.inputs if isinstance(x, torch.Tensor) and x.requires_grad]
         self.leaves = params
+        self.leaves_of: dict[str, list] = {}  # a plan running a copy of the model: its leaves
         self.cotangents: Optional[list[torch.Tensor]] = None
         self.compiled: dict[str, Callable] = {}
+        self.results: dict[str, dict] = {}  # per plan, filled by tools.plans.compare
+        self.reference: list[torch.Tensor] = []  # eager's values, the error check's reference
+
+    def plans(self) -> list[str]:
+        """The compiled plans this model has (``blocks`` only with its own repeated blocks)."""
+        return [p for p in COMPILED if p != "blocks" or own_blocks(self.model) is not None]
 
     def compile(self, backend: str, inductor_options: dict):
+        if backend == "blocks":  # compile_repeated_blocks works in place: on a copy
+            model = copy.deepcopy(self.model)
+            own_blocks(model).compile_repeated_blocks(backend="inductor", dynamic=self.cfg.dynamic or None)
+            self.compiled[backend] = model
+            if self.trains_parameters:
+                self.leaves_of[backend] = [p for p in model.parameters() if p.requires_grad]
+            return
         kw: dict[str, Any] = {"dynamic": True if self.cfg.dynamic else None}
         opts = inductor_options
         if backend.startswith("convlower"):
@@ -110,7 +136,7 @@ class Runner:
         if not self.cfg.backward:
             with torch.no_grad():
                 return fn(*self.inputs)
-        for p in self.leaves:
+        for p in self.leaves_of.get(backend, self.leaves):
             p.grad = None
         out = fn(*self.inputs)
         outs = [t for t in tensors(out) if t.requires_grad]
@@ -133,7 +159,8 @@ class Runner:
         out = self.step(backend)
         vals = [t.detach().clone() for t in tensors(out)]
         if self.cfg.backward:
-            vals += [p.grad.detach().clone() for p in self.leaves if p.grad is not None]
+            vals += [p.grad.detach().clone() for p in self.leaves_of.get(backend, self.leaves)
+                     if p.grad is not None]
         return vals
 
 

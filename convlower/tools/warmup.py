@@ -34,6 +34,7 @@ from ..device import sync, tensors
 from ..observe import stats as _stats
 from ..saved import SavedCompile
 from ..selection import close_calls as _settle
+from . import plan_choice as _choice
 from . import session_cache as _cache
 from .amortize import Amortization, amortize
 from .warm_start import WarmStart
@@ -78,6 +79,7 @@ class WarmupResult:
     warnings: list
     settling: Settling = dataclasses.field(default_factory=Settling)  # close calls measured
     saved: SavedCompile = dataclasses.field(default_factory=SavedCompile)  # whole compile on disk
+    plans: Optional[_choice.PlanChoice] = None  # compare_plans=True: the plans side by side
 
     @property
     def verdict(self) -> Optional[str]:
@@ -88,6 +90,7 @@ class WarmupResult:
         d["settling"] = self.settling.to_dict()
         d["amortization"] = self.amortization.to_dict() if self.amortization else None
         d["verdict"] = self.verdict
+        d["plans"] = self.plans.to_dict() if self.plans else None
         return d
 
     def __str__(self) -> str:
@@ -109,6 +112,8 @@ class WarmupResult:
                          f"{len(se.changed)} changed (worth {worth * 1e3:.3g} ms per call; "
                          f"recompiled in {se.recompile_s:.1f} s), {se.left_open} left open")
             lines += [f"    {s.conv}: {s.rule or 'original'} ({s.why})" for s in se.changed]
+        if self.plans:
+            lines += self.plans.lines()
         if self.saved.state != "off" or self.cache_dir:
             lines.append(f"  saved compile: {self.saved}")
         if self.amortization:
@@ -177,7 +182,8 @@ def _cache_state(counts: dict) -> str:
 def warmup(model, example_inputs, *, options: Optional[dict] = None,
            dynamic: Union[None, bool, dict] = None, cache_dir: Optional[str] = None,
            iters: int = 3, backward: bool = False, settle_budget_s: float = 120.0,
-           save_compiled: bool = True, **amortize_kw: Any):
+           save_compiled: bool = True, compare_plans: bool = False, session_calls: int = 1000,
+           **amortize_kw: Any):
     """Compile ``model`` with convlower ahead of use; return ``(compiled, WarmupResult)``.
 
     ``example_inputs``: a tensor or a tuple of positional inputs.  ``dynamic``: passed to
@@ -190,7 +196,11 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
     ``settle_budget_s``: seconds to spend measuring close calls after the compile (0: none).
     ``save_compiled``: with ``cache_dir``, save the compiled model whole and load it in the
     next process without tracing it again (:mod:`convlower.saved`; models without graph
-    breaks, whole-graph plan).  Extra keywords (``low``, ``high``, ``stability``) go to
+    breaks).  ``compare_plans``: first time every plan side by side on this model (Inductor,
+    convlower, convlower with regions, the model's own ``compile_repeated_blocks()``; about
+    three compiles each) and run the one with the least total time over ``session_calls``
+    calls (:mod:`.plan_choice`; remembered in ``cache_dir``, so later warm-ups compile only
+    that plan; ``result.plans``).  Extra keywords (``low``, ``high``, ``stability``) go to
     :func:`amortize`.
     """
     if settle_budget_s < 0:
@@ -203,6 +213,16 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
         _cache.load_artifacts(os.path.join(cache_dir, _cache.ARTIFACTS), warns)
     if isinstance(dynamic, dict):
         _mark_dynamic(inputs, dynamic)
+    choice = None
+    if compare_plans:
+        with _keep_grads(model, inputs):
+            choice = _choice.choose(model, inputs, backward=backward, options=options,
+                                    dynamic=dynamic, session_calls=session_calls,
+                                    cache_dir=cache_dir, runs=max(iters, 3))
+        if choice.plan not in _choice.CONVLOWER_PLANS:
+            return _other_plan(choice, model, inputs, backward, iters, dynamic, cache_dir, warns,
+                               amortize_kw)
+        options = _choice.options_for(choice.plan, options)
     start = WarmStart(model, inputs, options=options, dynamic=dynamic, backward=backward,
                       cache_dir=cache_dir, save=save_compiled, warns=warns)
     with _keep_grads(model, inputs):
@@ -220,11 +240,32 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
     if cache_dir is not None:
         _cache.save_artifacts(os.path.join(cache_dir, _cache.ARTIFACTS), warns)
     result = _result(first, steps, eager, counts, records, cache_dir, warns, amortize_kw)
-    result.settling, result.saved = settling, start.status
+    result.settling, result.saved, result.plans = settling, start.status, choice
     if start.status.state == "loaded":  # nothing was compiled: the whole model was loaded
         result.cache, result.warm = "saved", True
     log.info("%s", str(result).splitlines()[0])
     ti.trace_artifact("convlower_warmup", result.to_dict())
+    return compiled, result
+
+
+def _other_plan(choice, model, inputs, backward, iters, dynamic, cache_dir, warns, amortize_kw):
+    """The compared plans named eager, Inductor or the model's own blocks: run that one."""
+    with _keep_grads(model, inputs):
+        eager = _timed(model, inputs, backward, iters) if iters > 0 else []
+        before = ti.counters()
+        with _stats.window() as w:
+            clock = time.perf_counter()
+            compiled = _choice.build(choice.plan, model, dynamic)
+            _step(compiled, inputs, backward)
+            first = time.perf_counter() - clock
+            steps = _timed(compiled, inputs, backward, iters)
+    if cache_dir is not None:
+        _cache.save_artifacts(os.path.join(cache_dir, _cache.ARTIFACTS), warns)
+    result = _result(first, steps, eager, _stats.cache_counts(before, ti.counters()), w.records,
+                     cache_dir, warns, amortize_kw)
+    result.plans = choice
+    result.saved.why = f"plan {choice.plan} was chosen: not a convlower compile"
+    log.info("%s", str(result).splitlines()[0])
     return compiled, result
 
 
