@@ -2,9 +2,9 @@
 (:mod:`convlower.saved`: no Dynamo trace, no AOTAutograd trace, no pass), else a compile made
 as one saveable graph and saved for the next process, else an ordinary ``torch.compile``.
 
-Saving needs a cache folder, the whole-graph plan (regions split the graph into parts torch
-cannot save as one function yet) and a model without graph breaks; when one is missing the
-warm-up compiles as before and says why nothing was saved.
+Saving needs a cache folder and a model without graph breaks (the regions plan is saved too:
+its split graph and each distinct part, :class:`convlower.torch_saved.SavedSplit`); when one is
+missing the warm-up compiles as before and says why nothing was saved.
 """
 from __future__ import annotations
 
