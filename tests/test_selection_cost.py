@@ -209,3 +209,35 @@ def test_exhaustive_measures_with_the_real_timer_inside_a_compile(cache, monkeyp
     assert entry.how == "measurement" and "measurement failed" not in entry.reason
     assert "compiling the candidates took" in entry.reason and entry.decision_s > 0
     assert entry.timings["aten"] > 0 and entry.timings["time_fold_conv2d"] > 0
+
+
+def test_kernels_only_keeps_opaque_copies_and_runs_2d_convs_as_inductor_does():
+    """convlower::dense on a graph input survives compilation (nothing can fuse it), so the
+    compiled figure includes it; under Inductor's layout optimisation a 2-D conv runs
+    channels-last, so its replay does too.  A fusable copy (the add) is left out."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
+
+    def run():
+        dense = torch.ops.convlower.dense(x.transpose(2, 3))
+        return torch.ops.aten.convolution(dense + 1, w, None, [1, 1], [0, 0], [1, 1],
+                                          False, [0, 0], 1)
+
+    class Spy(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append((func.overloadpacket, args))
+            return func(*args, **(kwargs or {}))
+
+    for layout_opt, fmt in ((False, torch.contiguous_format), (True, torch.channels_last)):
+        replay = screen._kernels_only(run, layout_opt)
+        with Spy() as spy:
+            replay()
+        assert [op for op, _ in spy.calls] == [torch.ops.convlower.dense, torch.ops.aten.convolution]
+        conv_args = spy.calls[1][1]
+        assert conv_args[0].is_contiguous(memory_format=fmt)
+        assert conv_args[1].is_contiguous(memory_format=fmt)

@@ -8,8 +8,8 @@ up to the layout Inductor picks (the original is timed in both memory formats, t
 counts).  Hence:
 
 * rule / original <= ``WIN`` (0.85): a clear win, even before fusion helps the rule;
-* rule / original >= ``LOSE`` (1.25), and the rule's GEMM / conv kernels alone (``KERNELS``:
-  its copies as free as fusion can make them) lose too: a clear loss;
+* rule / original >= ``LOSE`` (1.25), and the rule's GEMM / conv kernels and opaque copies
+  alone (``KERNELS``: its other copies as free as fusion can make them) lose too: a clear loss;
 * in between: a close call, settled by compiled measurement in ``select="measure"`` and kept
   as the original in ``select="auto"``.
 
@@ -40,12 +40,14 @@ BUDGET_S = float(os.environ.get("CONVLOWER_SCREEN_BUDGET_S", "0.5"))  # per site
 # the conv and an eager figure says little about the compiled one: keep the original.
 MIN_CONV_S = float(os.environ.get("CONVLOWER_SCREEN_MIN_US", "1000")) * 1e-6
 SAMPLES = 3
-# A rule's figure with only its GEMM / conv kernels timed: a clear loss needs that to lose too.
+# A rule's figure with only what its compiled code surely runs timed: its GEMM / conv kernels
+# and its opaque copies (convlower::dense / stack on a graph input or output: no producer or
+# consumer can fuse them).  A clear loss needs that to lose too.
 KERNELS = ":kernels"
 _aten = torch.ops.aten
-_KERNELS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.convolution,
-            _aten._convolution, _aten.convolution_backward, _aten.mkldnn_convolution,
-            _aten.cudnn_convolution, _aten.miopen_convolution}
+_CONVS = {_aten.convolution, _aten._convolution, _aten.convolution_backward,
+          _aten.mkldnn_convolution, _aten.cudnn_convolution, _aten.miopen_convolution}
+_KERNELS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, *_CONVS}
 # The screen's figure of the original in the layout Inductor's compiled code will run it in
 # (timed only when that is not eager's layout and ``eager_conv`` is a candidate).
 INDUCTOR_LAYOUT = "aten_inductor_layout"
@@ -70,7 +72,7 @@ def eager_screen(site: ConvSite, candidates: Sequence[Rule],
         if rule.emission not in seen:
             seen.add(rule.emission)
             fns[rule.name] = _bound(emission.build(site, rule, compute_dtype), args)
-            fns[rule.name + KERNELS] = _kernels_only(fns[rule.name])
+            fns[rule.name + KERNELS] = _kernels_only(fns[rule.name], site.layout_opt)
     fmt = inductor_format(site)
     if EAGER_CONV in candidates and fmt is not None:
         fns[EAGER_CONV.name] = _bound(emission.build(site, EAGER_CONV), args)
@@ -97,10 +99,15 @@ def predicted(times: dict, name: str) -> float:
     return times.get(name + KERNELS, times[name])
 
 
-def _kernels_only(run: Callable[[], object]) -> Callable[[], object]:
-    """The GEMM / conv kernels of one eager run of ``run``, replayed on the inputs they got:
-    what the rule costs once Inductor has fused its copies away (a lower bound)."""
-    calls = ti.record_ops(run, _KERNELS)
+def _kernels_only(run: Callable[[], object], layout_opt: bool = False) -> Callable[[], object]:
+    """The GEMM / conv kernels and opaque copies of one eager run of ``run``, replayed on the
+    inputs they got: what the rule costs once Inductor has fused its other copies away.  With
+    ``layout_opt`` (Inductor's layout optimisation, on CPU with mkldnn) its 2-D convs run
+    channels-last, as the compiled code runs them (in bf16 that is the faster layout)."""
+    calls = ti.record_ops(run, _KERNELS | _opaque_copies())
+    if layout_opt:
+        calls = [(f, _channels_last(args) if f.overloadpacket in _CONVS else args, kw)
+                 for f, args, kw in calls]
     device = next((a.device for _, args, _ in calls for a in args
                    if isinstance(a, torch.Tensor)), None)
 
@@ -109,6 +116,17 @@ def _kernels_only(run: Callable[[], object]) -> Callable[[], object]:
             func(*args, **kwargs)
         _device.sync(device)
     return replay
+
+
+def _opaque_copies() -> set:
+    ops = torch.ops.convlower  # registered by convlower.lowerings.dense
+    return {ops.dense, ops.stack}
+
+
+def _channels_last(args) -> tuple:
+    """Every 4-D tensor of a conv call in the channels-last layout (copied once, untimed)."""
+    return tuple(a.contiguous(memory_format=torch.channels_last)
+                 if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args)
 
 
 def _inductor_original(site: ConvSite, args: list, fmt) -> Callable[[], object]:
