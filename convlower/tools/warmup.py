@@ -213,16 +213,12 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
         _cache.load_artifacts(os.path.join(cache_dir, _cache.ARTIFACTS), warns)
     if isinstance(dynamic, dict):
         _mark_dynamic(inputs, dynamic)
-    choice = None
-    if compare_plans:
-        with _keep_grads(model, inputs):
-            choice = _choice.choose(model, inputs, backward=backward, options=options,
-                                    dynamic=dynamic, session_calls=session_calls,
-                                    cache_dir=cache_dir, runs=max(iters, 3))
-        if choice.plan not in _choice.CONVLOWER_PLANS:
-            return _other_plan(choice, model, inputs, backward, iters, dynamic, cache_dir, warns,
-                               amortize_kw)
-        options = _choice.options_for(choice.plan, options)
+    choice = _plan(model, inputs, backward, options, dynamic, session_calls, cache_dir,
+                   iters) if compare_plans else None
+    if choice is not None and choice.plan not in _choice.CONVLOWER_PLANS:
+        return _other_plan(choice, model, inputs, backward, iters, dynamic, cache_dir, warns,
+                           amortize_kw)
+    options = _choice.options_for(choice.plan, options) if choice else options
     start = WarmStart(model, inputs, options=options, dynamic=dynamic, backward=backward,
                       cache_dir=cache_dir, save=save_compiled, warns=warns)
     with _keep_grads(model, inputs):
@@ -246,6 +242,13 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
     log.info("%s", str(result).splitlines()[0])
     ti.trace_artifact("convlower_warmup", result.to_dict())
     return compiled, result
+
+
+def _plan(model, inputs, backward, options, dynamic, session_calls, cache_dir, iters):
+    with _keep_grads(model, inputs):
+        return _choice.choose(model, inputs, backward=backward, options=options, dynamic=dynamic,
+                              session_calls=session_calls, cache_dir=cache_dir,
+                              runs=max(iters, 3))
 
 
 def _other_plan(choice, model, inputs, backward, iters, dynamic, cache_dir, warns, amortize_kw):
