@@ -207,10 +207,7 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
         raise ValueError(f"settle_budget_s must be >= 0, got {settle_budget_s}")
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     warns = _cache.Warnings()
-    if cache_dir is not None:
-        cache_dir = os.path.abspath(os.fspath(cache_dir))
-        _cache.point_caches(cache_dir, warns)
-        _cache.load_artifacts(os.path.join(cache_dir, _cache.ARTIFACTS), warns)
+    cache_dir = _use_cache_dir(cache_dir, warns)
     if isinstance(dynamic, dict):
         _mark_dynamic(inputs, dynamic)
     choice = _plan(model, inputs, backward, options, dynamic, session_calls, cache_dir,
@@ -242,6 +239,16 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
     log.info("%s", str(result).splitlines()[0])
     ti.trace_artifact("convlower_warmup", result.to_dict())
     return compiled, result
+
+
+def _use_cache_dir(cache_dir, warns: _cache.Warnings) -> Optional[str]:
+    """Point the caches at ``cache_dir`` and load its portable artifacts; its absolute path."""
+    if cache_dir is None:
+        return None
+    cache_dir = os.path.abspath(os.fspath(cache_dir))
+    _cache.point_caches(cache_dir, warns)
+    _cache.load_artifacts(os.path.join(cache_dir, _cache.ARTIFACTS), warns)
+    return cache_dir
 
 
 def _plan(model, inputs, backward, options, dynamic, session_calls, cache_dir, iters):
