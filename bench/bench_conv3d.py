@@ -8,7 +8,9 @@ Every variant of one shape is timed in the same rounds (interleaved), and the ta
 ratios against Inductor (``x`` > 1 means faster than Inductor), so machine load cancels out as
 far as it can.  Each sample repeats a call for about 50 ms; rounds are medians.  Per row,
 ``auto/min`` and ``measure/min`` are convlower's time over the faster of eager and Inductor
-(issue 23: <= 1.03 on every row), and ``chose`` what each picked.  Also printed per shape: the
+(issue 23: <= 1.03 on every row), ``warm-up/exhaustive`` the model a ``convlower.warmup``
+returns (close calls settled) over ``select="exhaustive"``'s (issue 22: <= 1.03), and
+``chose`` what each picked.  Also printed per shape: the
 compile-time cost of measuring (seconds spent choosing, i.e. compiling and timing the
 candidates, with a cold decision cache), and for fp32 the error of the opt-in
 ``compute_dtype="bfloat16"`` against fp32.
@@ -56,6 +58,7 @@ SHAPES_2D = {
 }
 ALL_SHAPES = {**SHAPES, **SHAPES_2D}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SETTLE_S = 120.0  # the warm-up's budget for measuring close calls (its default)
 
 
 def compiled(mod, backend, **opts):
@@ -138,13 +141,18 @@ def bench_shape(name, dtype_name, rounds):
         fns[r] = compiled(conv, "convlower", rules=[r], select="always")
         _, compile_s[r] = first_call(fns[r], x)
     chose, errs = {}, {}
-    for sel in ("auto", "measure"):  # each with a cold decision cache
+    for sel in ("auto", "measure", "exhaustive"):  # each with a cold decision cache
         with cold_measuring() as spent:
             fns[sel] = compiled(conv, "convlower", select=sel)
             convlower.reset_report()
             out, compile_s[sel] = first_call(fns[sel], x)
             chose[sel] = ",".join(e["rule"] or "original" for e in convlower.report().convolutions)
         errs[sel] = rel_err(out, ref)
+    with cold_measuring(), torch.no_grad():  # issue 22: one warm-up settles auto's close calls
+        convlower.reset_report()
+        fns["warm-up"], res = convlower.warmup(conv, x, iters=0, settle_budget_s=SETTLE_S)
+        chose["warm-up"] = convlower.report().convolutions[-1]["rule"] or "original"
+        settle_s = res.settling.seconds + res.settling.recompile_s
     if dtype == torch.float32:  # opt-in bf16 compute: time and error against fp32
         fns["bf16c"] = compiled(conv, "convlower", select="always", compute_dtype="bfloat16")
         out_b, compile_s["bf16c"] = first_call(fns["bf16c"], x)
@@ -154,7 +162,9 @@ def bench_shape(name, dtype_name, rounds):
     cols = " ".join(f"{k}={base / v:.2f}x" for k, v in t.items() if k != "inductor")
     print(f"{name:9s} {dtype_name}  inductor {base * 1e3:8.1f} ms | {cols} | auto/min "
           f"{t['auto'] / floor:.3f} measure/min {t['measure'] / floor:.3f} (min = "
-          f"{'eager' if t['eager'] < t['inductor'] else 'inductor'}) | chose auto "
+          f"{'eager' if t['eager'] < t['inductor'] else 'inductor'}) | warm-up/exhaustive "
+          f"{t['warm-up'] / t['exhaustive']:.3f} (warm-up {chose['warm-up']}, exhaustive "
+          f"{chose['exhaustive']}; settling {settle_s:.1f} s) | chose auto "
           f"{chose['auto']}, measure {chose['measure']}; compile inductor "
           f"{compile_s['inductor']:.1f} s, auto {compile_s['auto']:.1f} s, measure "
           f"{compile_s['measure']:.1f} s of which measuring {spent[0]:.1f} s | "
