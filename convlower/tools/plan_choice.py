@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..backend.options import parse as parse_options
 from ..device import tensors
 from ..regions import clear as clear_regions
 from ..saved import identity as _identity
@@ -121,7 +122,9 @@ def _compare(model, inputs, backward, options, dynamic, session_calls, by, runs)
     run.results["eager"] = {"backend": "eager", "first_call_s": time.perf_counter() - t0}
     run.reference = run.values("eager")
     _plans.prime_process()
-    results, _, _ = _plans.compare(run, {}, progress, runs=runs, warmup=1, settle_budget_s=0.0)
+    inductor_options = dict(parse_options(options, env={}).inductor)  # Inductor plans: the same config
+    results, _, _ = _plans.compare(run, inductor_options, progress, runs=runs, warmup=1,
+                                   settle_budget_s=0.0)
     _drop_inexact(results, _dtype(inputs))
     torch.compiler.reset()  # the chosen plan is compiled afresh by the warm-up
     clear_regions()
