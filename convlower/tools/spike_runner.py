@@ -115,7 +115,8 @@ class Runner:
     def compile(self, backend: str, inductor_options: dict):
         if backend == "blocks":  # compile_repeated_blocks works in place: on a copy
             model = copy.deepcopy(self.model)
-            own_blocks(model).compile_repeated_blocks(backend="inductor", dynamic=self.cfg.dynamic or None)
+            own_blocks(model).compile_repeated_blocks(backend="inductor", dynamic=self.cfg.dynamic or None,
+                                                      options=dict(inductor_options) or None)
             self.compiled[backend] = model
             if self.trains_parameters:
                 self.leaves_of[backend] = [p for p in model.parameters() if p.requires_grad]
