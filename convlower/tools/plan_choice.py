@@ -152,14 +152,6 @@ def _drop_inexact(results: dict, dtype: torch.dtype) -> None:
             r["error"] = f"output differs from eager's (relative error {err:.2e} > {bound:.0e})"
 
 
-def options_for(plan: str, options: Optional[dict]) -> dict:
-    """convlower's options for a convlower plan: regions off, or the caller's / "auto"."""
-    opts = dict(options or {})
-    given = opts.get("regions", "off")
-    opts["regions"] = "off" if plan == "convlower" else (given if given not in ("off", None) else "auto")
-    return opts
-
-
 def build(plan: str, model, dynamic) -> Callable:
     """The callable of a plan that is not a convlower compile.  ``blocks`` compiles the
     model's own repeated blocks in place, as ``model.compile_repeated_blocks()`` would."""

@@ -25,6 +25,15 @@ BACKENDS = ("eager", "inductor", "convlower", "convlower-regions", "blocks")
 COMPILED = ("inductor", "convlower", "convlower-regions", "blocks")
 
 
+def plan_options(plan: str, options: Optional[dict]) -> dict:
+    """convlower's options for a convlower plan: regions off (``convlower``), or the caller's
+    regions setting, "auto" when it has none (``convlower-regions``)."""
+    opts = dict(options or {})
+    given = opts.get("regions", "off")
+    opts["regions"] = "off" if plan == "convlower" else (given if given not in ("off", None) else "auto")
+    return opts
+
+
 def own_blocks(model) -> Optional[torch.nn.Module]:
     """The module of ``model`` with its own ``compile_repeated_blocks()`` and a non-empty
     ``_repeated_blocks`` list (diffusers' convention), or None."""
@@ -122,12 +131,8 @@ class Runner:
                 self.leaves_of[backend] = [p for p in model.parameters() if p.requires_grad]
             return
         kw: dict[str, Any] = {"dynamic": True if self.cfg.dynamic else None}
-        opts = inductor_options
-        if backend.startswith("convlower"):
-            opts = dict(self.cfg.options)
-            given = opts.get("regions", "off")
-            opts["regions"] = "off" if backend == "convlower" else (
-                given if given not in ("off", None) else "auto")
+        opts = plan_options(backend, self.cfg.options) if backend.startswith("convlower") \
+            else inductor_options
         if opts:
             kw["options"] = dict(opts)
         self.compiled[backend] = torch.compile(self.model, backend=backend.split("-")[0], **kw)

@@ -37,6 +37,7 @@ from ..selection import close_calls as _settle
 from . import plan_choice as _choice
 from . import session_cache as _cache
 from .amortize import Amortization, amortize
+from .spike_runner import plan_options
 from .warm_start import WarmStart
 
 log = logging.getLogger("convlower")
@@ -215,7 +216,7 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
     if choice is not None and choice.plan not in _choice.CONVLOWER_PLANS:
         return _other_plan(choice, model, inputs, backward, iters, dynamic, cache_dir, warns,
                            amortize_kw)
-    options = _choice.options_for(choice.plan, options) if choice else options
+    options = plan_options(choice.plan, options) if choice else options
     start = WarmStart(model, inputs, options=options, dynamic=dynamic, backward=backward,
                       cache_dir=cache_dir, save=save_compiled, warns=warns)
     with _keep_grads(model, inputs):
