@@ -292,6 +292,9 @@ def record_ops(run: Callable[[], object], packets: set) -> list:
     return calls
 
 
+# A generated module's C++ kernels built as a few libraries (torch_kernel_batch.py).
+from .torch_kernel_batch import install as build_kernels_together  # noqa: E402,F401
+
 # Whole compiled functions saved to disk (torch's AOT compile) live in torch_saved.py.
 from .torch_saved import (can_save_compiled, compile_saveable,  # noqa: E402,F401
                           deserialize_compiled, dropped_guards, guard_passes,

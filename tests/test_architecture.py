@@ -6,7 +6,8 @@
 * private torch (``torch._inductor``, ``torch._dynamo``, ``torch._guards``, ...) only in
   ``convlower/torch_internals.py`` and the parts it re-exports, its version fallbacks
   ``convlower/torch_versions.py``, Inductor's caches ``convlower/torch_caches.py`` and saved
-  compiled functions ``convlower/torch_saved.py``, which only ``torch_internals`` imports (the package does not know which torch it runs on);
+  compiled functions ``convlower/torch_saved.py`` and kernel builds
+  ``convlower/torch_kernel_batch.py``, which only ``torch_internals`` imports (the package does not know which torch it runs on);
 * no module over 350 lines, no function over 60.
 
 Each check is a function of a ``{module name: source}`` map, so the tests at the bottom can
@@ -30,7 +31,7 @@ MAX_FUNCTION_LINES = 60
 # Layer of each top-level part of the package; a module may import its own layer or lower.
 RANKS = {
     "version": 0, "torch_internals": 0, "torch_versions": 0, "torch_caches": 0,  # leaves
-    "torch_saved": 0,
+    "torch_saved": 0, "torch_kernel_batch": 0,
     "device": 0, "private_files": 0,
     "observe": 1,  # records, report, stats: a leaf group (over torch_internals)
     "lowerings": 2, "regions": 2,  # regions: a room of its own, the backend hands it a compiler
@@ -46,7 +47,8 @@ FACE = ROOT_PKG  # convlower/__init__.py re-exports from anywhere
 # may import them): its per-torch-version fallbacks and Inductor's caches.
 INTERNALS = f"{ROOT_PKG}.torch_internals"
 VERSIONS = f"{ROOT_PKG}.torch_versions"
-PARTS = (VERSIONS, f"{ROOT_PKG}.torch_caches", f"{ROOT_PKG}.torch_saved")
+PARTS = (VERSIONS, f"{ROOT_PKG}.torch_caches", f"{ROOT_PKG}.torch_saved",
+         f"{ROOT_PKG}.torch_kernel_batch")
 # Private-looking torch names that are public API in practice.
 ALLOWED_PRIVATE = {
     "torch._dynamo.mark_dynamic",  # documented way to mark a dimension dynamic

@@ -46,8 +46,15 @@ def _on_cache_save(key: str, graph) -> None:
         _persist.save(cache_dir(), key, ti.cached_graph_guards(graph))
 
 
+def _kernels_together() -> bool:
+    # Inductor loads a graph's kernels inside its compile, where our pass is configured.
+    lowering = ti.post_grad_pass()
+    return isinstance(lowering, ConvLowerPass) and lowering.options.kernel_builds == "together"
+
+
 _stats.install()  # at backend lookup, so graph breaks of the very first frame are seen too
 ti.on_fx_graph_cache(_on_cache_lookup, _on_cache_save)  # per-conv records across caches
+ti.build_kernels_together(_kernels_together, _stats.note_kernels)  # compile seconds
 
 
 def _inductor(gm, example_inputs, mode: Optional[str], opts, patches=None):

@@ -20,6 +20,7 @@ AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
 SNAKE_ROUTES = ("auto", "eager", "fused")
 COMPUTE_DTYPES = (None, "bfloat16")
 FALLBACKS = ("error", "inductor")
+KERNEL_BUILDS = ("together", "separate")
 
 ENV = {
     "rules": "CONVLOWER_RULES",
@@ -29,6 +30,7 @@ ENV = {
     "compute_dtype": "CONVLOWER_COMPUTE_DTYPE",
     "fallback": "CONVLOWER_FALLBACK",
     "regions": "CONVLOWER_REGIONS",
+    "kernel_builds": "CONVLOWER_KERNEL_BUILDS",
 }
 
 
@@ -46,12 +48,15 @@ class Options:
     fallback: str = "error"
     inductor: tuple[tuple[str, Any], ...] = ()  # Inductor config keys passed through
     regions: Any = "off"  # "off" | "auto" | tuple of block class names (docs/regions.md)
+    kernel_builds: str = "together"  # a graph's C++ kernels in a few libraries (docs/regions.md)
 
     def key(self) -> dict:
         """What identifies these settings in cache keys (JSON-ready).  ``regions`` only
-        decides which graphs are compiled, not what a graph compiles to: left out."""
+        decides which graphs are compiled and ``kernel_builds`` how the generated kernels are
+        built, not what a graph compiles to: left out."""
         d = dataclasses.asdict(self)
         d.pop("regions")
+        d.pop("kernel_builds")
         d["inductor"] = [[k, repr(v)] for k, v in self.inductor]
         return d
 
@@ -109,6 +114,8 @@ def parse(options: Optional[dict] = None, env: Optional[dict] = None,
         fallback=_choice("fallback", ours.get("fallback", "error"), FALLBACKS),
         inductor=inductor,
         regions=_parse_regions(ours.get("regions", "off")),
+        kernel_builds=_choice("kernel_builds", ours.get("kernel_builds", "together"),
+                              KERNEL_BUILDS),
     )
 
 

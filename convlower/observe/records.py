@@ -85,6 +85,8 @@ class CompileRecord(_Record):
     failed: Optional[str]
     end_time_us: Optional[int]
     summary: str = ""
+    # C++ kernels built together / loaded from libraries built earlier (torch_kernel_batch)
+    kernels: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

@@ -86,6 +86,12 @@ def note_pass(graph_name: str, seconds: float) -> None:
     _event("pass", graph=graph_name, seconds=seconds)
 
 
+def note_kernels(built: int, loaded: int, libraries: int, seconds: float) -> None:
+    """Called when a generated module's C++ kernels are built together (or loaded from
+    libraries built earlier): what the kernel builds of this compile cost."""
+    _event("kernels", built=built, loaded=loaded, libraries=libraries, seconds=seconds)
+
+
 class _GraphBreakHandler(logging.Handler):
     """Reads Dynamo's graph-break log lines (breaks.py): location, reason, graph-break code,
     the user's frame and code line."""
@@ -185,6 +191,11 @@ def summary_line(r: dict) -> str:
     parts.append(f"{r['total_s']:.2f} s = " + " + ".join(f"{k} {p[k]:.2f}" for k in PHASES))
     parts.append(f"cache fx {c['fx_graph_hit']} hit/{c['fx_graph_miss']} miss, "
                  f"aot {c['aot_autograd_hit']} hit/{c['aot_autograd_miss']} miss")
+    k = r.get("kernels") or {}
+    if k.get("built") or k.get("loaded"):
+        n = k["libraries"]
+        parts.append(f"C++ kernels: {k['built']} built in {n} librar{'y' if n == 1 else 'ies'} "
+                     f"({k['seconds']:.2f} s), {k['loaded']} loaded from earlier builds")
     rw = ", ".join(f"{k} x{v}" for k, v in sorted(r["rewrites"].items())) or "none"
     parts.append(f"rewrites {rw}; {_plural(len(r['guards']), 'guard')}")
     if r["failed"]:
@@ -213,9 +224,15 @@ def _make_record(m, events: list[dict], convs: list) -> CompileRecord:
         cache=ti.compile_cache_counts(m),
         rewrites=rewrites, guards=[g for c in mine for g in c.guards],
         failed=m.fail_reason.splitlines()[0] if m.fail_reason else None,
-        end_time_us=m.end_time_us)
+        end_time_us=m.end_time_us, kernels=_kernels(events))
     rec.summary = summary_line(rec)
     return rec
+
+
+def _kernels(events: list[dict]) -> dict:
+    evs = [e for e in events if e["kind"] == "kernels"]
+    return {key: round(sum(e[key] for e in evs), 3)
+            for key in ("built", "loaded", "libraries", "seconds")} if evs else {}
 
 
 def collect() -> list[CompileRecord]:

@@ -125,6 +125,18 @@ def save_artifacts(path: str, warns: Warnings) -> None:
         warns.add(f"convlower: could not save cache artifacts to {path}: {type(e).__name__}: {e}")
 
 
+def broken_cache(error: BaseException) -> bool:
+    """Whether ``error`` comes from a corrupt cached module or kernel library (an import that
+    failed), not from the model: then the cache is discarded, not the model's saving."""
+    for _ in range(32):  # Dynamo and Inductor wrap it
+        if error is None:
+            return False
+        if isinstance(error, (ImportError, SyntaxError)) or "Failed to import" in str(error):
+            return True
+        error = getattr(error, "inner_exception", None) or error.__cause__
+    return False
+
+
 def fresh_inductor_dir(cache_dir: str, error: Exception, warns: Warnings) -> None:
     """Inductor ignores an unreadable cache entry but fails on a corrupt cached module or
     kernel library; move the whole Inductor cache aside and compile from scratch."""

@@ -104,6 +104,8 @@ class WarmStart:
             self.fn = _saved.compile_whole(self.model, self.inputs, self._backend(),
                                            self.compile_dynamic)
         except Exception as e:  # a graph break, an unsaveable backend output: compile plainly
+            if remember and _cache.broken_cache(e):
+                raise  # the caller discards the broken cache and compiles again (recover)
             self.status.state = "not saved"
             self.status.why = f"not saveable as one graph ({_first_line(e)})"
             log.info("convlower: %s", self.status.why)

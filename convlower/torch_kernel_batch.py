@@ -1,0 +1,297 @@
+"""The C++ kernels of one generated module built as a few libraries instead of one each.
+
+Why.  On CPU, Inductor builds every fused kernel as its own shared library: one g++ run per
+kernel.  Most of that run is a fixed cost (start, precompiled header, link against libtorch):
+on the 2-core development CPU an empty kernel takes 0.49 s, a typical one 0.7 s, and twenty
+kernels in one translation unit 2.2 s instead of 14 s.  On a UNet that fixed cost is most of the
+compile (docs/regions.md, "Kernel builds").
+
+How.  While a module Inductor generated is loaded, ``AsyncCompile.cpp_pybinding`` (one call per
+kernel) is answered with a :class:`_Pending`; ``AsyncCompile.wait(globals())``, which every such
+module calls once at its end, then builds the pending kernels in up to ``compile_threads``
+libraries (each kernel in a namespace of its own, one Python binding per kernel, Inductor's own
+build command and cache) and puts the loaded functions where the module expects them.  Each
+kernel's source is indexed on disk beside Inductor's cache, so a later load of any module with
+that kernel (a warm start, a saved compile, another graph) finds its library without a build.
+
+Only where ``active()`` says so (a convlower compile) are kernels built this way; elsewhere a
+kernel already indexed is loaded from its library and any other is built exactly as Inductor
+builds it.  Any failure falls back to Inductor's own per-kernel build: the generated code is the
+same either way, so results do not change.
+
+Part of the adapter to torch internals: only ``torch_internals`` imports this module.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import logging
+import math
+import os
+import re
+import threading
+import time
+from typing import Callable, Optional
+
+log = logging.getLogger("convlower")
+
+MIN_KERNELS = 2         # one kernel gains nothing from a shared library
+KERNELS_PER_LIBRARY = 8  # below this, a second library's fixed cost is not worth a 2nd core
+_ARG_TYPES = re.compile(r"^(const )?[\w:]+\*$|^(int64_t|uintptr_t|float)$")
+_ENTRY = re.compile(r'extern\s+"C"\s+void\s+kernel\s*\(')
+
+_lock = threading.Lock()
+_state = {"installed": False, "active": None, "originals": None, "on_build": None}
+_loaded: dict[str, Callable] = {}   # kernel key -> loaded function (this process)
+
+
+class _Pending:
+    """A kernel Inductor asked for, built at the module's ``wait`` (or alone when called first)."""
+
+    __slots__ = ("argtypes", "source", "fn")
+
+    def __init__(self, argtypes, source):
+        self.argtypes, self.source, self.fn = list(argtypes), source, None
+
+    def __call__(self, *args):
+        if self.fn is None:
+            self.fn = _original_binding(self.argtypes, self.source)
+        return self.fn(*args)
+
+
+def install(active: Callable[[], bool], on_build: Optional[Callable] = None) -> bool:
+    """Answer Inductor's C++ kernel loads as above; ``active()`` says whether kernels not built
+    yet are built together; ``on_build(built, loaded, libraries, seconds)`` hears of each
+    module's kernels: built together now, loaded from earlier libraries.
+    False (nothing installed) where this torch's Inductor is not the one this was written for."""
+    try:
+        from torch._inductor.async_compile import AsyncCompile
+        from torch._inductor.codecache import CppPythonBindingsCodeCache  # noqa: F401
+    except ImportError:
+        return False
+    with _lock:
+        _state["active"], _state["on_build"] = active, on_build
+        if _state["installed"]:
+            return True
+        binding, wait = getattr(AsyncCompile, "cpp_pybinding", None), getattr(AsyncCompile, "wait", None)
+        if binding is None or wait is None or list(inspect.signature(binding).parameters) != [
+                "self", "argtypes", "source_code"]:
+            return False
+        _state["originals"] = (binding, wait)
+        AsyncCompile.cpp_pybinding = _cpp_pybinding
+        AsyncCompile.wait = _wait
+        _state["installed"] = True
+        return True
+
+
+def _cpp_pybinding(self, argtypes, source_code):
+    if _batchable(argtypes, source_code):
+        return _Pending(argtypes, source_code)
+    return _state["originals"][0](self, argtypes, source_code)
+
+
+def _wait(self, scope):
+    pending = {name: v for name, v in scope.items() if isinstance(v, _Pending) and v.fn is None}
+    if pending:
+        try:
+            found = _resolve(self, pending)
+        except Exception:  # never break a compile: Inductor builds what is left, one by one
+            log.warning("convlower: building kernels together failed; building them one by one",
+                        exc_info=True)
+            found = {}
+        for name, p in pending.items():
+            scope[name] = found.get(name) or _state["originals"][0](self, p.argtypes, p.source)
+    return _state["originals"][1](self, scope)
+
+
+def _batchable(argtypes, source: str) -> bool:
+    return (all(_ARG_TYPES.match(t) for t in argtypes) and len(_ENTRY.findall(source)) == 1
+            and "PyInit_" not in source)
+
+
+def _key(argtypes, source: str) -> str:
+    return hashlib.sha256(repr((list(argtypes), source)).encode()).hexdigest()[:40]
+
+
+def _resolve(async_compile, pending: dict) -> dict:
+    keys = {name: _key(p.argtypes, p.source) for name, p in pending.items()}
+    found = {name: _loaded[k] for name, k in keys.items() if k in _loaded}
+    found.update(_from_index({n: k for n, k in keys.items() if n not in found}))
+    todo = [(n, pending[n], keys[n]) for n in pending if n not in found]
+    active, on_build = _state["active"], _state["on_build"]
+    if active is None or not active():
+        return found
+    built, libraries, start = 0, 0, time.perf_counter()
+    if len(todo) >= MIN_KERNELS:
+        libraries = _build(async_compile, todo, found)
+        built = len(todo)
+    if on_build is not None and found:
+        on_build(built, len(found) - built, libraries, time.perf_counter() - start)
+    return found
+
+
+def _index_dir() -> str:
+    from torch._inductor.runtime.runtime_utils import cache_dir
+
+    return os.path.join(cache_dir(), "convlower_kernels")
+
+
+def _from_index(keys: dict) -> dict:
+    """Kernels built together earlier (any process using this Inductor cache)."""
+    out, libraries = {}, {}
+    for name, k in keys.items():
+        try:
+            with open(os.path.join(_index_dir(), "index", k)) as f:
+                library, fn_name = f.read().split()
+        except (OSError, ValueError):
+            continue
+        try:
+            if library not in libraries:
+                with open(os.path.join(_index_dir(), library)) as f:
+                    libraries[library] = _bindings().load_async(f.read(), "cpu")()
+            out[name] = _loaded[k] = getattr(libraries[library], fn_name)
+        except Exception:  # a stale or broken library: built again (or one by one)
+            log.debug("convlower: kernel library %s not loaded", library, exc_info=True)
+    return out
+
+
+def _build(async_compile, todo: list, out: dict) -> int:
+    """Build ``todo`` in a few libraries, into ``out``; the number of libraries."""
+    from torch._inductor.async_compile import get_compile_threads
+
+    count = max(1, min(get_compile_threads(), math.ceil(len(todo) / KERNELS_PER_LIBRARY)))
+    chunks = [todo[i::count] for i in range(count)]
+    sources = [_library_source([(p.argtypes, p.source) for _, p, _ in c]) for c in chunks]
+    submit = async_compile.submit if count > 1 else None
+    futures = [_bindings().load_async(s, "cpu", submit_fn=submit) for s in sources]
+    for chunk, source, future in zip(chunks, sources, futures):
+        module = future()  # waits for g++
+        library = _write_library(source)
+        for i, (name, _, k) in enumerate(chunk):
+            out[name] = _loaded[k] = getattr(module, f"kernel_{i}")
+            _write_index(k, library, f"kernel_{i}")
+    return count
+
+
+def _write_library(source: str) -> str:
+    name = hashlib.sha256(source.encode()).hexdigest()[:40] + ".cpp"
+    _atomic_write(os.path.join(_index_dir(), name), source)
+    return name
+
+
+def _write_index(key: str, library: str, fn_name: str) -> None:
+    _atomic_write(os.path.join(_index_dir(), "index", key), f"{library} {fn_name}\n")
+
+
+def _atomic_write(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _library_source(kernels: list) -> str:
+    """One translation unit: includes hoisted, each kernel in namespace ``k<i>`` (C++ linkage,
+    so equal helper names cannot clash), then one Python binding ``kernel_<i>`` per kernel."""
+    includes, bodies, bindings, table = [], [], [], []
+    for i, (argtypes, source) in enumerate(kernels):
+        lines = source.splitlines()
+        includes += [ln for ln in lines if ln.startswith("#include") and ln not in includes]
+        body = "\n".join(ln for ln in lines if not ln.startswith("#include"))
+        bodies.append(f"namespace k{i} {{\n{_ENTRY.sub('void kernel(', body)}\n}}")
+        args = ", ".join(f"arg<{t.replace('const ', '')}>(args, {n})"
+                         for n, t in enumerate(argtypes))
+        bindings.append(_BINDING.format(i=i, n=len(argtypes), args=args))
+        table.append(f'    {{"kernel_{i}", kernel_{i}_py, METH_VARARGS, ""}},')
+    return "\n".join(includes + bodies + [_PRELUDE] + bindings + [
+        _MODULE.format(table="\n".join(table))])
+
+
+_PRELUDE = r"""
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <cerrno>
+#include <cstdlib>
+#include <stdexcept>
+
+// torch's tensor -> data pointer function, passed by address as for Inductor's own bindings
+static void* (*tensor_data_ptr)(PyObject* obj);
+
+template <typename T> static inline T arg(PyObject* args, size_t n) {
+    static_assert(std::is_pointer_v<T>, "arg type must be pointer or number");
+    return static_cast<T>(tensor_data_ptr(PyTuple_GET_ITEM(args, n)));
+}
+template <> inline int64_t arg<int64_t>(PyObject* args, size_t n) {
+    auto r = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, n));
+    if (r == -1 && PyErr_Occurred()) throw std::runtime_error("expected int arg");
+    return r;
+}
+template <> inline uintptr_t arg<uintptr_t>(PyObject* args, size_t n) {
+    auto r = PyLong_AsVoidPtr(PyTuple_GET_ITEM(args, n));
+    if (r == reinterpret_cast<void*>(-1) && PyErr_Occurred()) throw std::runtime_error("expected int arg");
+    return reinterpret_cast<uintptr_t>(r);
+}
+template <> inline float arg<float>(PyObject* args, size_t n) {
+    auto r = PyFloat_AsDouble(PyTuple_GET_ITEM(args, n));
+    if (r == -1.0 && PyErr_Occurred()) throw std::runtime_error("expected float arg");
+    return static_cast<float>(r);
+}
+"""
+
+_BINDING = """
+static PyObject* kernel_{i}_py(PyObject* self, PyObject* args) {{
+    try {{
+        if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != {n})
+            throw std::runtime_error("kernel_{i} takes {n} args");
+        k{i}::kernel({args});
+        Py_RETURN_NONE;
+    }} catch (std::exception const& e) {{
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+        return nullptr;
+    }}
+}}
+"""
+
+_MODULE = """
+static PyMethodDef methods[] = {{
+{table}
+    {{NULL, NULL, 0, NULL}}}};
+
+static struct PyModuleDef module_def = {{PyModuleDef_HEAD_INIT, "kernels", NULL, -1, methods}};
+
+PyMODINIT_FUNC PyInit_kernels(void) {{
+    const char* addr = std::getenv("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR");
+    char* end = nullptr;
+    errno = 0;
+    uintptr_t p = addr ? std::strtoull(addr, &end, 10) : 0;
+    if (!addr || errno != 0 || end == addr || p == 0) {{
+        PyErr_SetString(PyExc_RuntimeError, "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR not set");
+        return nullptr;
+    }}
+    tensor_data_ptr = reinterpret_cast<decltype(tensor_data_ptr)>(p);
+    return PyModule_Create(&module_def);
+}}
+"""
+
+
+def _original_binding(argtypes, source):
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    return CppPythonBindingsCodeCache.load_pybinding(argtypes, source)
+
+
+@functools.cache
+def _bindings():
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    class BatchBindings(CppPythonBindingsCodeCache):
+        """Inductor's build, cache and loader for Python-bound C++, for a module of many kernels
+        (its init is ``PyInit_kernels``, named by ``entry_function``)."""
+        cache: dict = {}
+        entry_function = "kernels"
+
+    return BatchBindings
+
+

@@ -1,0 +1,163 @@
+"""A graph's C++ kernels built as a few libraries (convlower/torch_kernel_batch.py).
+
+What can go wrong: a kernel bound to another kernel's function or arguments (wrong results),
+helpers of two kernels clashing in one translation unit, a build failure breaking the compile,
+libraries not found again (every warm load builds again), plain Inductor compiles changed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import convlower
+from convlower import torch_kernel_batch as kb
+
+# Two kernels with the same helper name and every argument kind the bindings parse.
+SCALE = r"""#include <torch/csrc/inductor/cpp_prefix.h>
+static inline float helper(float v) { return v * 2.0f; }
+extern "C"  void  kernel(float* out, const float* in, int64_t n, float s)
+{
+    for (int64_t i = 0; i < n; ++i) out[i] = helper(in[i]) * s;
+}
+"""
+FILL = r"""#include <torch/csrc/inductor/cpp_prefix.h>
+static inline float helper(float v) { return v + 1.0f; }
+extern "C"  void  kernel(float* out, int64_t n)
+{
+    for (int64_t i = 0; i < n; ++i) out[i] = helper(static_cast<float>(i));
+}
+"""
+
+
+def _active(flag: list):
+    return lambda: flag[0]
+
+
+@pytest.fixture
+def together():
+    """The backend's predicate swapped for one the test sets; restored after."""
+    from convlower.backend import compiler
+
+    flag = [True]
+    seen = []
+    kb.install(_active(flag), lambda *a: seen.append(a))
+    yield flag, seen
+    kb.install(compiler._kernels_together, compiler._stats.note_kernels)
+
+
+def _load(async_compile):
+    scope = {"scale": async_compile.cpp_pybinding(["float*", "const float*", "int64_t", "float"],
+                                                  SCALE),
+             "fill": async_compile.cpp_pybinding(["float*", "int64_t"], FILL)}
+    async_compile.wait(scope)
+    return scope
+
+
+def test_kernels_share_one_library_and_each_calls_its_own_code(together):
+    from torch._inductor.async_compile import AsyncCompile
+
+    flag, seen = together
+    kb._loaded.clear()
+    scope = _load(AsyncCompile())
+    assert not isinstance(scope["scale"], kb._Pending) and not isinstance(scope["fill"], kb._Pending)
+    assert seen and seen[-1][0] == 2, "both kernels built together"
+    x, out, filled = torch.arange(5.0), torch.empty(5), torch.empty(4)
+    scope["scale"](out, x, 5, 0.5)
+    scope["fill"](filled, 4)
+    torch.testing.assert_close(out, x * 2.0 * 0.5)  # its own helper: times two
+    torch.testing.assert_close(filled, torch.arange(4.0) + 1.0)
+    with pytest.raises(RuntimeError, match="takes 2 args"):
+        scope["fill"](filled)
+
+    # Another process (nothing in memory) finds both in the index: no build.
+    kb._loaded.clear()
+    seen.clear()
+    again = _load(AsyncCompile())
+    assert seen and seen[-1][:2] == (0, 2), "loaded from the libraries built before"
+    again["fill"](filled, 4)
+    torch.testing.assert_close(filled, torch.arange(4.0) + 1.0)
+
+
+def test_outside_a_convlower_compile_kernels_build_as_inductor_builds_them(together):
+    from torch._inductor.async_compile import AsyncCompile
+
+    flag, seen = together
+    flag[0] = False
+    kb._loaded.clear()
+    index = os.path.join(kb._index_dir(), "index")
+    before = set(os.listdir(index)) if os.path.isdir(index) else set()
+    fill = FILL.replace("+ 1.0f", "+ 3.0f")  # a kernel no test built together
+    scope = {"fill": AsyncCompile().cpp_pybinding(["float*", "int64_t"], fill)}
+    AsyncCompile().wait(scope)
+    out = torch.empty(3)
+    scope["fill"](out, 3)
+    torch.testing.assert_close(out, torch.arange(3.0) + 3.0)
+    assert not seen
+    assert (set(os.listdir(index)) if os.path.isdir(index) else set()) == before
+
+
+def test_a_pending_kernel_called_before_the_wait_builds_alone():
+    pending = kb._Pending(["float*", "int64_t"], FILL.replace("+ 1.0f", "+ 5.0f"))
+    out = torch.empty(2)
+    pending(out, 2)
+    torch.testing.assert_close(out, torch.tensor([5.0, 6.0]))
+
+
+class _Pointwise(nn.Module):
+    """Two C++ kernels at least: pointwise ops before and after an (extern) matmul."""
+
+    def forward(self, x):
+        y = torch.sin(x) * 2
+        z = y @ y.t()
+        return torch.relu(z) + z.softmax(dim=-1)
+
+
+def _compiled_kernels(x, **options):
+    convlower.reset_report()
+    out = torch.compile(_Pointwise(), backend="convlower", options=options or None)(x)
+    compiles = [c for c in convlower.report().compiles if c.phase == "forward"]
+    return out, compiles[-1].kernels, compiles[-1].summary
+
+
+def test_a_convlower_compile_builds_its_kernels_together_and_matches_eager():
+    x = torch.randn(6, 33)
+    out, kernels, summary = _compiled_kernels(x)
+    torch.testing.assert_close(out, _Pointwise()(x))
+    assert kernels["built"] + kernels["loaded"] >= 2 and "C++ kernels" in summary
+    torch._dynamo.reset()
+    out, kernels, _ = _compiled_kernels(x, kernel_builds="separate")
+    torch.testing.assert_close(out, _Pointwise()(x))
+    assert kernels == {}, "kernel_builds='separate' leaves Inductor's builds alone"
+
+
+def test_a_failing_build_falls_back_to_inductors_own_and_still_compiles(monkeypatch, caplog):
+    def broken(kernels):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(kb, "_library_source", broken)
+    monkeypatch.setattr(kb, "_loaded", {})
+    monkeypatch.setattr(kb, "_from_index", lambda keys: {})
+    x = torch.randn(5, 17)
+    with caplog.at_level(logging.WARNING, logger="convlower"):
+        out, kernels, _ = _compiled_kernels(x)
+    torch.testing.assert_close(out, _Pointwise()(x))
+    assert "one by one" in caplog.text
+    assert not kernels.get("built")
+
+
+def test_bad_kernel_builds_option_is_refused():
+    from convlower.backend import options
+
+    with pytest.raises(convlower.OptionError, match="'together', 'separate'"):
+        options.parse({"kernel_builds": "batched"})
+    assert options.parse({}, env={"CONVLOWER_KERNEL_BUILDS": "separate"}).kernel_builds == "separate"
+
+
+def test_only_kernels_the_bindings_understand_are_batched():
+    assert kb._batchable(["float*", "const at::BFloat16*", "int64_t", "float"], SCALE)
+    assert not kb._batchable(["double"], SCALE)  # no binding for it: Inductor's own
+    assert not kb._batchable(["float*"], SCALE + SCALE)  # two entry points
