@@ -111,7 +111,16 @@ def _batchable(argtypes, source: str) -> bool:
 
 
 def _key(argtypes, source: str) -> str:
-    return hashlib.sha256(repr((list(argtypes), source)).encode()).hexdigest()[:40]
+    # with what the build command depends on: an index entry from another setting is not used
+    return hashlib.sha256(repr((list(argtypes), source, _build_setting())).encode()).hexdigest()[:40]
+
+
+def _build_setting() -> str:
+    import torch
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return f"{torch.__version__}|{pick_vec_isa()}|{config.cpp.cxx}|{config.cpp_cache_precompile_headers}"
 
 
 def _resolve(async_compile, pending: dict) -> dict:
