@@ -14,15 +14,15 @@ build command and cache) and puts the loaded functions where the module expects 
 kernel's source is indexed on disk beside Inductor's cache, so a later load of any module with
 that kernel (a warm start, a saved compile, another graph) finds its library without a build.
 
-Only where ``active()`` says so (a convlower compile) are kernels built this way; elsewhere a
-kernel already indexed is loaded from its library and any other is built exactly as Inductor
-builds it.  Any failure falls back to Inductor's own per-kernel build: the generated code is the
-same either way, so results do not change.
+Only in a convlower compile (``active()``) are kernels built this way; elsewhere an indexed
+kernel is loaded from its library, any other built as Inductor builds it.  Any failure falls
+back to Inductor's per-kernel build: the generated code is the same, so results do not change.
 
 Part of the adapter to torch internals: only ``torch_internals`` imports this module.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -44,19 +44,23 @@ _ENTRY = re.compile(r'extern\s+"C"\s+void\s+kernel\s*\(')
 _lock = threading.Lock()
 _state = {"installed": False, "active": None, "originals": None, "on_build": None}
 _loaded: dict[str, Callable] = {}   # kernel key -> loaded function (this process)
+_deferred = threading.local()       # .jobs: kernels left for the end of built_at_end()
 
 
 class _Pending:
     """A kernel Inductor asked for, built at the module's ``wait`` (or alone when called first)."""
 
-    __slots__ = ("argtypes", "source", "fn")
+    __slots__ = ("argtypes", "source", "fn", "key", "name", "scope")
 
     def __init__(self, argtypes, source):
         self.argtypes, self.source, self.fn = list(argtypes), source, None
+        self.key = self.name = self.scope = None  # scope: the module's, when built at the end
 
     def __call__(self, *args):
-        if self.fn is None:
+        if self.fn is None:  # called before its module's wait, or inside built_at_end()
             self.fn = _original_binding(self.argtypes, self.source)
+            if self.scope is not None:
+                self.scope[self.name] = self.fn
         return self.fn(*args)
 
 
@@ -95,14 +99,49 @@ def _wait(self, scope):
     pending = {name: v for name, v in scope.items() if isinstance(v, _Pending) and v.fn is None}
     if pending:
         try:
-            found = _resolve(self, pending)
+            found = _resolve(scope, pending)
         except Exception:  # never break a compile: Inductor builds what is left, one by one
             log.warning("convlower: building kernels together failed; building them one by one",
                         exc_info=True)
             found = {}
         for name, p in pending.items():
-            scope[name] = found.get(name) or _state["originals"][0](self, p.argtypes, p.source)
+            if name in found:
+                scope[name] = found[name]
+            elif p.scope is None:  # not left for the end of built_at_end()
+                scope[name] = _state["originals"][0](self, p.argtypes, p.source)
     return _state["originals"][1](self, scope)
+
+
+@contextlib.contextmanager
+def built_at_end():
+    """Kernels of every module loaded inside (a graph split into regions: one module per part)
+    are built together when the block ends, not module by module."""
+    if getattr(_deferred, "jobs", None) is not None:
+        yield  # nested: the outermost block builds
+        return
+    _deferred.jobs = []
+    try:
+        yield
+    except BaseException:
+        _deferred.jobs = None
+        raise
+    jobs, _deferred.jobs = _deferred.jobs, None
+    _finish([p for p in jobs if p.fn is None])
+
+
+def _finish(jobs: list) -> None:
+    try:
+        start, unique = time.perf_counter(), list({p.key: p for p in jobs}.values())
+        fns, libraries = _build(unique) if unique else ({}, 0)
+        if _state["on_build"] is not None and unique:
+            _state["on_build"](len(unique), 0, libraries, time.perf_counter() - start)
+    except Exception:
+        log.warning("convlower: building kernels together failed; building them one by one",
+                    exc_info=True)
+        fns = {}
+    for p in jobs:
+        p.fn = fns.get(p.key) or _original_binding(p.argtypes, p.source)
+        p.scope[p.name] = p.fn
 
 
 def _batchable(argtypes, source: str) -> bool:
@@ -123,19 +162,28 @@ def _build_setting() -> str:
     return f"{torch.__version__}|{pick_vec_isa()}|{config.cpp.cxx}|{config.cpp_cache_precompile_headers}"
 
 
-def _resolve(async_compile, pending: dict) -> dict:
+def _resolve(scope: dict, pending: dict) -> dict:
     keys = {name: _key(p.argtypes, p.source) for name, p in pending.items()}
     found = {name: _loaded[k] for name, k in keys.items() if k in _loaded}
     found.update(_from_index({n: k for n, k in keys.items() if n not in found}))
-    todo = [(n, pending[n], keys[n]) for n in pending if n not in found]
+    todo = [pending[n] for n in pending if n not in found]
     active, on_build = _state["active"], _state["on_build"]
     if active is None or not active():
         return found
+    for name, p in pending.items():
+        p.key, p.name = keys[name], name
+    jobs = getattr(_deferred, "jobs", None)
+    if jobs is not None:  # built at the end of built_at_end(), with the other modules' kernels
+        for p in todo:
+            p.scope = scope
+        jobs += todo
+        todo = []
     built, libraries, start = 0, 0, time.perf_counter()
     if len(todo) >= MIN_KERNELS:
-        libraries = _build(async_compile, todo, found)
+        fns, libraries = _build(todo)
+        found.update({p.name: fns[p.key] for p in todo})
         built = len(todo)
-    if on_build is not None and found:
+    if on_build is not None and (built or found):
         on_build(built, len(found) - built, libraries, time.perf_counter() - start)
     return found
 
@@ -165,22 +213,24 @@ def _from_index(keys: dict) -> dict:
     return out
 
 
-def _build(async_compile, todo: list, out: dict) -> int:
-    """Build ``todo`` in a few libraries, into ``out``; the number of libraries."""
-    from torch._inductor.async_compile import get_compile_threads
+def _build(todo: list) -> tuple[dict, int]:
+    """Build the pending kernels ``todo`` in a few libraries: {kernel key: function}, and how
+    many libraries."""
+    from torch._inductor.async_compile import AsyncCompile, get_compile_threads
 
     count = max(1, min(get_compile_threads(), math.ceil(len(todo) / KERNELS_PER_LIBRARY)))
     chunks = [todo[i::count] for i in range(count)]
-    sources = [_library_source([(p.argtypes, p.source) for _, p, _ in c]) for c in chunks]
-    submit = async_compile.submit if count > 1 else None
+    sources = [_library_source([(p.argtypes, p.source) for p in c]) for c in chunks]
+    submit = AsyncCompile.submit if count > 1 else None
     futures = [_bindings().load_async(s, "cpu", submit_fn=submit) for s in sources]
+    fns = {}
     for chunk, source, future in zip(chunks, sources, futures):
         module = future()  # waits for g++
         library = _write_library(source)
-        for i, (name, _, k) in enumerate(chunk):
-            out[name] = _loaded[k] = getattr(module, f"kernel_{i}")
-            _write_index(k, library, f"kernel_{i}")
-    return count
+        for i, p in enumerate(chunk):
+            fns[p.key] = _loaded[p.key] = getattr(module, f"kernel_{i}")
+            _write_index(p.key, library, f"kernel_{i}")
+    return fns, count
 
 
 def _write_library(source: str) -> str:
@@ -232,21 +282,15 @@ template <typename T> static inline T arg(PyObject* args, size_t n) {
     static_assert(std::is_pointer_v<T>, "arg type must be pointer or number");
     return static_cast<T>(tensor_data_ptr(PyTuple_GET_ITEM(args, n)));
 }
+#define ARG_OR_THROW(r, bad) if ((r) == (bad) && PyErr_Occurred()) throw std::runtime_error("bad arg")
 template <> inline int64_t arg<int64_t>(PyObject* args, size_t n) {
-    auto r = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, n));
-    if (r == -1 && PyErr_Occurred()) throw std::runtime_error("expected int arg");
-    return r;
-}
+    auto r = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, n)); ARG_OR_THROW(r, -1); return r; }
 template <> inline uintptr_t arg<uintptr_t>(PyObject* args, size_t n) {
     auto r = PyLong_AsVoidPtr(PyTuple_GET_ITEM(args, n));
-    if (r == reinterpret_cast<void*>(-1) && PyErr_Occurred()) throw std::runtime_error("expected int arg");
-    return reinterpret_cast<uintptr_t>(r);
-}
+    ARG_OR_THROW(r, reinterpret_cast<void*>(-1)); return reinterpret_cast<uintptr_t>(r); }
 template <> inline float arg<float>(PyObject* args, size_t n) {
-    auto r = PyFloat_AsDouble(PyTuple_GET_ITEM(args, n));
-    if (r == -1.0 && PyErr_Occurred()) throw std::runtime_error("expected float arg");
-    return static_cast<float>(r);
-}
+    auto r = PyFloat_AsDouble(PyTuple_GET_ITEM(args, n)); ARG_OR_THROW(r, -1.0);
+    return static_cast<float>(r); }
 """
 
 _BINDING = """

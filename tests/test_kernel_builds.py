@@ -161,3 +161,72 @@ def test_only_kernels_the_bindings_understand_are_batched():
     assert kb._batchable(["float*", "const at::BFloat16*", "int64_t", "float"], SCALE)
     assert not kb._batchable(["double"], SCALE)  # no binding for it: Inductor's own
     assert not kb._batchable(["float*"], SCALE + SCALE)  # two entry points
+
+
+def _module(scope_names: dict):
+    """What a generated module does: one cpp_pybinding per kernel, then wait(globals())."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    ac = AsyncCompile()
+    scope = {name: ac.cpp_pybinding(argtypes, source) for name, (argtypes, source) in scope_names.items()}
+    ac.wait(scope)
+    return scope
+
+
+def test_modules_loaded_inside_built_at_end_are_built_together_at_its_end(together):
+    flag, seen = together
+    kb._loaded.clear()
+    add = FILL.replace("+ 1.0f", "+ 7.0f")
+    first = _module({"scale": (["float*", "const float*", "int64_t", "float"],
+                               SCALE.replace("2.0f", "4.0f"))})
+    seen.clear()
+    with kb.built_at_end():
+        a = _module({"fill": (["float*", "int64_t"], add)})
+        b = _module({"scale": (["float*", "const float*", "int64_t", "float"],
+                               SCALE.replace("2.0f", "6.0f")),
+                     "fill": (["float*", "int64_t"], add)})  # the same kernel as a's
+        assert isinstance(a["fill"], kb._Pending) and isinstance(b["scale"], kb._Pending)
+        assert not seen, "nothing built before the block ends"
+    assert seen == [(2, 0, 1, seen[0][3])], "two distinct kernels, one library, one build"
+    assert not any(isinstance(v, kb._Pending) for v in (*a.values(), *b.values()))
+    out = torch.empty(3)
+    b["fill"](out, 3)
+    torch.testing.assert_close(out, torch.arange(3.0) + 7.0)
+    first["scale"](out, torch.ones(3), 3, 1.0)  # one kernel alone: built as Inductor builds it
+    torch.testing.assert_close(out, torch.full((3,), 4.0))
+
+
+def test_a_kernel_called_inside_the_block_builds_alone_and_a_failed_block_builds_nothing(together):
+    flag, seen = together
+    kb._loaded.clear()
+    seen.clear()
+    with pytest.raises(ValueError):
+        with kb.built_at_end():
+            scope = _module({"fill": (["float*", "int64_t"], FILL.replace("+ 1.0f", "+ 8.0f"))})
+            out = torch.empty(2)
+            scope["fill"](out, 2)  # e.g. a candidate timed while the regions still compile
+            assert not isinstance(scope["fill"], kb._Pending), "rebound to the loaded kernel"
+            torch.testing.assert_close(out, torch.tensor([8.0, 9.0]))
+            raise ValueError("the compile failed")
+    assert not seen
+
+
+def test_regions_build_every_parts_kernels_in_one_go(monkeypatch, tmp_path):
+    from test_regions import Stack
+
+    from convlower import regions
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # an empty kernel index
+    regions.clear()
+    kb._loaded.clear()
+    m, x = Stack().eval(), torch.randn(2, 5, 16)
+    with torch.no_grad():
+        out = torch.compile(m, backend="convlower", options={"regions": "auto"})(x)
+    torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+    parts = [r for r in convlower.report().to_dict()["regions"] if r["how"] == "compiled"]
+    kernels = [c.kernels for c in convlower.report().compiles if c.kernels]
+    assert len(parts) >= 2 and len(kernels) == 1, (parts, kernels)
+    from torch._inductor.async_compile import get_compile_threads
+
+    assert kernels[0]["built"] >= len(parts) and kernels[0]["libraries"] <= get_compile_threads()
+    regions.clear()

@@ -70,9 +70,10 @@ def convlower_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[s
     if opts.regions != "off":  # each repeated block compiled once (regions/), else whole
         context = json.dumps({"options": opts.key(), "mode": mode,
                               "decisions": decisions_digest()}, sort_keys=True)
-        try:
-            split = compile_regions(gm, opts.regions, context=context,
-                                    compile_graph=lambda g, x: _compile_graph(g, x, mode, opts))
+        try:  # the parts' kernels built together once all parts are compiled
+            with ti.kernels_built_at_end():
+                split = compile_regions(gm, opts.regions, context=context,
+                                        compile_graph=lambda g, x: _compile_graph(g, x, mode, opts))
         except CompileError:
             raise  # a part failed as a whole graph would have: the same error
         except Exception as e:  # splitting must never break a compile: the graph goes whole
