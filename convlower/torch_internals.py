@@ -271,7 +271,7 @@ def trace_artifact(name: str, payload: dict, compile_id: Optional[str] = None) -
 # Inductor's caches and the FX graph cache hooks live in torch_caches.py (re-exported here).
 from .torch_caches import (cached_graph_guards, caches_disabled,  # noqa: E402,F401
                            clear_inductor_caches, inductor_cache_dir, inductor_caches_off,
-                           on_fx_graph_cache, post_grad_pass)
+                           on_fx_graph_cache, post_grad_pass, remember_vec_isa_probe)
 
 
 def record_ops(run: Callable[[], object], packets: set) -> list:

@@ -29,22 +29,22 @@ import inspect
 import logging
 import math
 import os
-import re
 import threading
 import time
 from typing import Callable, Optional
+
+from .kernel_library import bindable as _batchable
+from .kernel_library import library_source as _library_source
 
 log = logging.getLogger("convlower")
 
 MIN_KERNELS = 2         # one kernel gains nothing from a shared library
 KERNELS_PER_LIBRARY = 8  # below this, a second library's fixed cost is not worth a 2nd core
-_ARG_TYPES = re.compile(r"^(const )?[\w:]+\*$|^(int64_t|uintptr_t|float)$")
-_ENTRY = re.compile(r'extern\s+"C"\s+void\s+kernel\s*\(')
 
 _lock = threading.Lock()
 _state = {"installed": False, "active": None, "originals": None, "on_build": None}
 _loaded: dict[str, Callable] = {}   # kernel key -> loaded function (this process)
-_deferred = threading.local()       # .jobs: kernels left for the end of built_at_end()
+_deferred = threading.local()       # .builder: the _Builder of built_at_end()
 
 
 class _Pending:
@@ -115,25 +115,91 @@ def _wait(self, scope):
 @contextlib.contextmanager
 def built_at_end():
     """Kernels of every module loaded inside (a graph split into regions: one module per part)
-    are built together when the block ends, not module by module."""
-    if getattr(_deferred, "jobs", None) is not None:
+    are built together, not module by module: in the background while the compile goes on
+    (:class:`_Builder`), the rest when the block ends."""
+    if getattr(_deferred, "builder", None) is not None:
         yield  # nested: the outermost block builds
         return
-    _deferred.jobs = []
+    _deferred.builder = builder = _Builder()
     try:
         yield
     except BaseException:
-        _deferred.jobs = None
+        _deferred.builder = None
+        builder.finish(build_rest=False)
         raise
-    jobs, _deferred.jobs = _deferred.jobs, None
-    _finish([p for p in jobs if p.fn is None])
+    _deferred.builder = None
+    _finish(builder)
 
 
-def _finish(jobs: list) -> None:
+class _Builder:
+    """One thread that builds queued kernels while the compile goes on: each time it is free it
+    takes everything queued as one library.  Compiling is Python on one core; g++ runs on the
+    other, so most of the build is hidden.  Its results are handed over by :meth:`finish`."""
+
+    def __init__(self):
+        self.jobs, self.queue, self.fns, self.taken = [], [], {}, set()
+        self.libraries, self.done = 0, False
+        self.cv = threading.Condition()
+        self.thread: Optional[threading.Thread] = None
+
+    def add(self, jobs: list) -> None:
+        with self.cv:
+            self.jobs += jobs
+            self.queue += jobs
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="convlower-kernels",
+                                               daemon=True)
+                self.thread.start()
+            self.cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.queue and not self.done:
+                    self.cv.wait()
+                if self.done:
+                    return  # what is still queued is built by finish()
+                todo = self._untaken()
+            try:
+                fns, libraries = _build(todo, parallel=False) if todo else ({}, 0)
+            except Exception:  # never break a compile: finish() has Inductor build them
+                log.warning("convlower: building kernels together failed; building them one "
+                            "by one", exc_info=True)
+                continue
+            with self.cv:
+                self.fns.update(fns)
+                self.libraries += libraries
+
+    def _untaken(self) -> list:
+        """The queue's kernels not taken by an earlier build (under the lock); taken now."""
+        todo = [p for p in {p.key: p for p in self.queue}.values() if p.key not in self.taken]
+        self.queue = []
+        self.taken.update(p.key for p in todo)
+        return todo
+
+    def finish(self, build_rest: bool = True) -> tuple[dict, int]:
+        """Stop the thread; build what it had not taken (beside its last build); its results."""
+        with self.cv:
+            self.done = True
+            todo = self._untaken()
+            self.cv.notify()
+        built, libraries = {}, 0
+        try:
+            if build_rest and todo:
+                built, libraries = _build(todo)
+        finally:
+            if self.thread is not None:
+                self.thread.join()
+        return {**self.fns, **built}, self.libraries + libraries
+
+
+def _finish(builder: _Builder) -> None:
+    jobs = [p for p in builder.jobs if p.fn is None]
+    start = time.perf_counter()
     try:
-        start, unique = time.perf_counter(), list({p.key: p for p in jobs}.values())
-        fns, libraries = _build(unique) if unique else ({}, 0)
-        if _state["on_build"] is not None and unique:
+        fns, libraries = builder.finish()
+        unique = {p.key for p in jobs}
+        if _state["on_build"] is not None and unique:  # seconds: what the compile waited
             _state["on_build"](len(unique), 0, libraries, time.perf_counter() - start)
     except Exception:
         log.warning("convlower: building kernels together failed; building them one by one",
@@ -142,11 +208,6 @@ def _finish(jobs: list) -> None:
     for p in jobs:
         p.fn = fns.get(p.key) or _original_binding(p.argtypes, p.source)
         p.scope[p.name] = p.fn
-
-
-def _batchable(argtypes, source: str) -> bool:
-    return (all(_ARG_TYPES.match(t) for t in argtypes) and len(_ENTRY.findall(source)) == 1
-            and "PyInit_" not in source)
 
 
 def _key(argtypes, source: str) -> str:
@@ -172,11 +233,11 @@ def _resolve(scope: dict, pending: dict) -> dict:
         return found
     for name, p in pending.items():
         p.key, p.name = keys[name], name
-    jobs = getattr(_deferred, "jobs", None)
-    if jobs is not None:  # built at the end of built_at_end(), with the other modules' kernels
+    builder = getattr(_deferred, "builder", None)
+    if builder is not None:  # built with the other modules' kernels, in the background
         for p in todo:
             p.scope = scope
-        jobs += todo
+        builder.add(todo)
         todo = []
     built, libraries, start = 0, 0, time.perf_counter()
     if len(todo) >= MIN_KERNELS:
@@ -213,12 +274,13 @@ def _from_index(keys: dict) -> dict:
     return out
 
 
-def _build(todo: list) -> tuple[dict, int]:
-    """Build the pending kernels ``todo`` in a few libraries: {kernel key: function}, and how
-    many libraries."""
+def _build(todo: list, parallel: bool = True) -> tuple[dict, int]:
+    """Build the pending kernels ``todo`` in a few libraries (one unless ``parallel``):
+    {kernel key: function}, and how many libraries."""
     from torch._inductor.async_compile import AsyncCompile, get_compile_threads
 
-    count = max(1, min(get_compile_threads(), math.ceil(len(todo) / KERNELS_PER_LIBRARY)))
+    most = get_compile_threads() if parallel else 1
+    count = max(1, min(most, math.ceil(len(todo) / KERNELS_PER_LIBRARY)))
     chunks = [todo[i::count] for i in range(count)]
     sources = [_library_source([(p.argtypes, p.source) for p in c]) for c in chunks]
     submit = AsyncCompile.submit if count > 1 else None
@@ -249,84 +311,6 @@ def _atomic_write(path: str, text: str) -> None:
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
-
-
-def _library_source(kernels: list) -> str:
-    """One translation unit: includes hoisted, each kernel in namespace ``k<i>`` (C++ linkage,
-    so equal helper names cannot clash), then one Python binding ``kernel_<i>`` per kernel."""
-    includes, bodies, bindings, table = [], [], [], []
-    for i, (argtypes, source) in enumerate(kernels):
-        lines = source.splitlines()
-        includes += [ln for ln in lines if ln.startswith("#include") and ln not in includes]
-        body = "\n".join(ln for ln in lines if not ln.startswith("#include"))
-        bodies.append(f"namespace k{i} {{\n{_ENTRY.sub('void kernel(', body)}\n}}")
-        args = ", ".join(f"arg<{t.replace('const ', '')}>(args, {n})"
-                         for n, t in enumerate(argtypes))
-        bindings.append(_BINDING.format(i=i, n=len(argtypes), args=args))
-        table.append(f'    {{"kernel_{i}", kernel_{i}_py, METH_VARARGS, ""}},')
-    return "\n".join(includes + bodies + [_PRELUDE] + bindings + [
-        _MODULE.format(table="\n".join(table))])
-
-
-_PRELUDE = r"""
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <cerrno>
-#include <cstdlib>
-#include <stdexcept>
-
-// torch's tensor -> data pointer function, passed by address as for Inductor's own bindings
-static void* (*tensor_data_ptr)(PyObject* obj);
-
-template <typename T> static inline T arg(PyObject* args, size_t n) {
-    static_assert(std::is_pointer_v<T>, "arg type must be pointer or number");
-    return static_cast<T>(tensor_data_ptr(PyTuple_GET_ITEM(args, n)));
-}
-#define ARG_OR_THROW(r, bad) if ((r) == (bad) && PyErr_Occurred()) throw std::runtime_error("bad arg")
-template <> inline int64_t arg<int64_t>(PyObject* args, size_t n) {
-    auto r = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, n)); ARG_OR_THROW(r, -1); return r; }
-template <> inline uintptr_t arg<uintptr_t>(PyObject* args, size_t n) {
-    auto r = PyLong_AsVoidPtr(PyTuple_GET_ITEM(args, n));
-    ARG_OR_THROW(r, reinterpret_cast<void*>(-1)); return reinterpret_cast<uintptr_t>(r); }
-template <> inline float arg<float>(PyObject* args, size_t n) {
-    auto r = PyFloat_AsDouble(PyTuple_GET_ITEM(args, n)); ARG_OR_THROW(r, -1.0);
-    return static_cast<float>(r); }
-"""
-
-_BINDING = """
-static PyObject* kernel_{i}_py(PyObject* self, PyObject* args) {{
-    try {{
-        if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != {n})
-            throw std::runtime_error("kernel_{i} takes {n} args");
-        k{i}::kernel({args});
-        Py_RETURN_NONE;
-    }} catch (std::exception const& e) {{
-        PyErr_SetString(PyExc_RuntimeError, e.what());
-        return nullptr;
-    }}
-}}
-"""
-
-_MODULE = """
-static PyMethodDef methods[] = {{
-{table}
-    {{NULL, NULL, 0, NULL}}}};
-
-static struct PyModuleDef module_def = {{PyModuleDef_HEAD_INIT, "kernels", NULL, -1, methods}};
-
-PyMODINIT_FUNC PyInit_kernels(void) {{
-    const char* addr = std::getenv("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR");
-    char* end = nullptr;
-    errno = 0;
-    uintptr_t p = addr ? std::strtoull(addr, &end, 10) : 0;
-    if (!addr || errno != 0 || end == addr || p == 0) {{
-        PyErr_SetString(PyExc_RuntimeError, "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR not set");
-        return nullptr;
-    }}
-    tensor_data_ptr = reinterpret_cast<decltype(tensor_data_ptr)>(p);
-    return PyModule_Create(&module_def);
-}}
-"""
 
 
 def _original_binding(argtypes, source):

@@ -31,7 +31,7 @@ MAX_FUNCTION_LINES = 60
 # Layer of each top-level part of the package; a module may import its own layer or lower.
 RANKS = {
     "version": 0, "torch_internals": 0, "torch_versions": 0, "torch_caches": 0,  # leaves
-    "torch_saved": 0, "torch_kernel_batch": 0,
+    "torch_saved": 0, "torch_kernel_batch": 0, "kernel_library": 0,
     "device": 0, "private_files": 0,
     "observe": 1,  # records, report, stats: a leaf group (over torch_internals)
     "lowerings": 2, "regions": 2,  # regions: a room of its own, the backend hands it a compiler
