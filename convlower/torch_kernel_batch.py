@@ -44,7 +44,7 @@ KERNELS_PER_LIBRARY = 8  # below this, a second library's fixed cost is not wort
 _lock = threading.Lock()
 _state = {"installed": False, "active": None, "originals": None, "on_build": None}
 _loaded: dict[str, Callable] = {}   # kernel key -> loaded function (this process)
-_deferred = threading.local()       # .builder: the _Builder of built_at_end()
+_deferred = threading.local()       # .jobs: kernels left for the end of built_at_end()
 
 
 class _Pending:
@@ -115,91 +115,36 @@ def _wait(self, scope):
 @contextlib.contextmanager
 def built_at_end():
     """Kernels of every module loaded inside (a graph split into regions: one module per part)
-    are built together, not module by module: in the background while the compile goes on
-    (:class:`_Builder`), the rest when the block ends."""
-    if getattr(_deferred, "builder", None) is not None:
+    are built together when the block ends, not module by module."""
+    if getattr(_deferred, "jobs", None) is not None:
         yield  # nested: the outermost block builds
         return
-    _deferred.builder = builder = _Builder()
+    _deferred.jobs = []
     try:
         yield
     except BaseException:
-        _deferred.builder = None
-        builder.finish(build_rest=False)
+        _deferred.jobs = None
         raise
-    _deferred.builder = None
-    _finish(builder)
+    jobs, _deferred.jobs = _deferred.jobs, None
+    _finish([p for p in jobs if p.fn is None])
 
 
-class _Builder:
-    """One thread that builds queued kernels while the compile goes on: each time it is free it
-    takes everything queued as one library.  Compiling is Python on one core; g++ runs on the
-    other, so most of the build is hidden.  Its results are handed over by :meth:`finish`."""
-
-    def __init__(self):
-        self.jobs, self.queue, self.fns, self.taken = [], [], {}, set()
-        self.libraries, self.done = 0, False
-        self.cv = threading.Condition()
-        self.thread: Optional[threading.Thread] = None
-
-    def add(self, jobs: list) -> None:
-        with self.cv:
-            self.jobs += jobs
-            self.queue += jobs
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name="convlower-kernels",
-                                               daemon=True)
-                self.thread.start()
-            self.cv.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self.cv:
-                while not self.queue and not self.done:
-                    self.cv.wait()
-                if self.done:
-                    return  # what is still queued is built by finish()
-                todo = self._untaken()
-            try:
-                fns, libraries = _build(todo, parallel=False) if todo else ({}, 0)
-            except Exception:  # never break a compile: finish() has Inductor build them
-                log.warning("convlower: building kernels together failed; building them one "
-                            "by one", exc_info=True)
-                continue
-            with self.cv:
-                self.fns.update(fns)
-                self.libraries += libraries
-
-    def _untaken(self) -> list:
-        """The queue's kernels not taken by an earlier build (under the lock); taken now."""
-        todo = [p for p in {p.key: p for p in self.queue}.values() if p.key not in self.taken]
-        self.queue = []
-        self.taken.update(p.key for p in todo)
-        return todo
-
-    def finish(self, build_rest: bool = True) -> tuple[dict, int]:
-        """Stop the thread; build what it had not taken (beside its last build); its results."""
-        with self.cv:
-            self.done = True
-            todo = self._untaken()
-            self.cv.notify()
-        built, libraries = {}, 0
-        try:
-            if build_rest and todo:
-                built, libraries = _build(todo)
-        finally:
-            if self.thread is not None:
-                self.thread.join()
-        return {**self.fns, **built}, self.libraries + libraries
-
-
-def _finish(builder: _Builder) -> None:
-    jobs = [p for p in builder.jobs if p.fn is None]
-    start = time.perf_counter()
+@contextlib.contextmanager
+def quiet():
+    """A measurement inside built_at_end(): what it compiles is built when loaded, as outside
+    (it is called at once; held back it would only be built alone, then again at the end)."""
+    jobs, _deferred.jobs = getattr(_deferred, "jobs", None), None
     try:
-        fns, libraries = builder.finish()
-        unique = {p.key for p in jobs}
-        if _state["on_build"] is not None and unique:  # seconds: what the compile waited
+        yield
+    finally:
+        _deferred.jobs = jobs
+
+
+def _finish(jobs: list) -> None:
+    try:
+        start, unique = time.perf_counter(), list({p.key: p for p in jobs}.values())
+        fns, libraries = _build(unique) if unique else ({}, 0)
+        if _state["on_build"] is not None and unique:
             _state["on_build"](len(unique), 0, libraries, time.perf_counter() - start)
     except Exception:
         log.warning("convlower: building kernels together failed; building them one by one",
@@ -233,11 +178,11 @@ def _resolve(scope: dict, pending: dict) -> dict:
         return found
     for name, p in pending.items():
         p.key, p.name = keys[name], name
-    builder = getattr(_deferred, "builder", None)
-    if builder is not None:  # built with the other modules' kernels, in the background
+    jobs = getattr(_deferred, "jobs", None)
+    if jobs is not None:  # built at the end of built_at_end(), with the other modules' kernels
         for p in todo:
             p.scope = scope
-        builder.add(todo)
+        jobs += todo
         todo = []
     built, libraries, start = 0, 0, time.perf_counter()
     if len(todo) >= MIN_KERNELS:
@@ -274,13 +219,12 @@ def _from_index(keys: dict) -> dict:
     return out
 
 
-def _build(todo: list, parallel: bool = True) -> tuple[dict, int]:
-    """Build the pending kernels ``todo`` in a few libraries (one unless ``parallel``):
-    {kernel key: function}, and how many libraries."""
+def _build(todo: list) -> tuple[dict, int]:
+    """Build the pending kernels ``todo`` in a few libraries: {kernel key: function}, and how
+    many libraries."""
     from torch._inductor.async_compile import AsyncCompile, get_compile_threads
 
-    most = get_compile_threads() if parallel else 1
-    count = max(1, min(most, math.ceil(len(todo) / KERNELS_PER_LIBRARY)))
+    count = max(1, min(get_compile_threads(), math.ceil(len(todo) / KERNELS_PER_LIBRARY)))
     chunks = [todo[i::count] for i in range(count)]
     sources = [_library_source([(p.argtypes, p.source) for p in c]) for c in chunks]
     submit = AsyncCompile.submit if count > 1 else None

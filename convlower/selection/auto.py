@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import Optional, Sequence
 
+from .. import torch_internals as ti
 from ..lowerings.rule import Rule
 from ..lowerings.site import ConvSite
 from . import close_calls, measure, screen, seeds
@@ -37,7 +38,8 @@ def decide(site: ConvSite, candidates: Sequence[Rule], compute_dtype: Optional[s
         return cached
     start = time.perf_counter()
     try:
-        times = times or screen.run(site, candidates, compute_dtype)
+        with ti.kernel_builds_quiet():  # what the screen compiles is built at once
+            times = times or screen.run(site, candidates, compute_dtype)
     except Exception as e:  # never break a compile: the original is always correct
         return Decision(None, f"screen failed, kept the original: {type(e).__name__}: {e}",
                         "screen", time.perf_counter() - start)

@@ -169,7 +169,7 @@ def decide(site: ConvSite, candidates: Sequence[Rule],
                         "cache", 0.0, dict(hit.get("timings", {})))
     start = time.perf_counter()
     try:
-        with ti.fake_mode_off(), torch.no_grad():
+        with ti.fake_mode_off(), torch.no_grad(), ti.kernel_builds_quiet():  # built when loaded
             run = _Run({})
             run.steps = benchmarks(site, candidates, compute_dtype, run.compile_log)
             tiny = _tiny(run) if _timer.compile_first() else None
