@@ -80,6 +80,13 @@ def hint(v) -> int:
     return _versions.hint(v, fallback=8) if isinstance(v, torch.SymInt) else int(v)
 
 
+def graph_input_source(node: torch.fx.Node) -> str:
+    """Where Dynamo read a graph input from (``L['self']._buffers['x']``), '' when unknown."""
+    arg = node.meta.get("grapharg")
+    source = getattr(arg, "source", None)
+    return source.name if source is not None else ""
+
+
 def memory_format_of(t: torch.Tensor) -> torch.memory_format:
     from torch._prims_common import suggest_memory_format
 

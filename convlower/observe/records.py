@@ -101,6 +101,7 @@ class RegionRecord(_Record):
     how: str                        # "compiled" | "reused" | "runs as is (views only)"
     compile_s: float
     shared_from: str = ""           # the part that compiled the code a reused part calls
+    channels_last_out: int = 0      # outputs handed to the next part channels-last (seams.py)
 
 
 KINDS = {"convolutions": ConvRecord, "snake": SnakeRecord, "compiles": CompileRecord,

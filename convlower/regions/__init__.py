@@ -5,7 +5,8 @@ A step ahead of convlower's passes (docs/regions.md).  The backend hands its Dyn
 partition.py), every part that is not plain data movement is compiled by the function the
 backend passes in (the usual convlower pipeline: conv rules and Snake routing apply inside
 regions), and parts with one signature (signature.py) share one compiled function, within a
-graph and across graphs of this process.  The passes never know regions exist.
+graph and across graphs of this process.  Seams between compiled parts carry activations in
+the layout the compiled code computes in (seams.py).  The passes never know regions exist.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from .. import torch_internals as ti
 from ..observe import records as _records
 from .blocks import Setting, assign
 from .partition import Part, split
+from .seams import channels_last_seams, channels_last_wanted
 from .signature import signature
 
 __all__ = ["compile_regions", "clear", "Setting"]
@@ -100,10 +102,13 @@ def compile_regions(gm: torch.fx.GraphModule, setting: Setting, compile_graph: C
         return None
     split_gm, parts = split(gm, owner)
     name = f"regions{next(_names)}"
+    compiled = {p.name: split_gm.get_submodule(p.name) for p in parts
+                if not (p.region is None and p.only_views)}
+    changed = channels_last_seams(split_gm, compiled, lambda v: channels_last_wanted(gm, v))
     for part in parts:
         sub = split_gm.get_submodule(part.name)
         if part.region is None and part.only_views:
-            _note(name, part, "", "runs as is (views only)", 0.0, "")
+            _note(name, part, "", "runs as is (views only)", 0.0, "", 0)
             continue
         inputs = _inputs(sub)
         key = signature(sub, inputs, _context(context, inputs))
@@ -112,12 +117,14 @@ def compile_regions(gm: torch.fx.GraphModule, setting: Setting, compile_graph: C
         fn, how, spent, first = _compiled_part(sub, inputs, key, f"{name}.{part.name}",
                                                compile_graph)
         _call_compiled(split_gm, part.name, fn, single)
-        _note(name, part, key, how, spent, first)
+        _note(name, part, key, how, spent, first, changed.get(part.name, 0))
     split_gm.recompile()
     return split_gm
 
 
-def _note(graph: str, part: Part, key: str, how: str, spent: float, first: str) -> None:
+def _note(graph: str, part: Part, key: str, how: str, spent: float, first: str,
+          channels_last_out: int) -> None:
     _records.record(_records.RegionRecord(
         graph=graph, part=part.name, block=part.block or "(glue)", signature=key,
-        nodes=part.nodes, how=how, compile_s=round(spent, 3), shared_from=first))
+        nodes=part.nodes, how=how, compile_s=round(spent, 3), shared_from=first,
+        channels_last_out=channels_last_out))

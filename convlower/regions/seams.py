@@ -1,0 +1,217 @@
+"""Compiled parts pass their 4-D activations to each other channels-last, the layout the
+compiled code computes in.
+
+Inductor computes a graph with convolutions channels-last on a CPU with oneDNN (its
+``decide_layout_opt``), but gives every graph output the strides eager gave it.  Compiled as one
+graph, a UNet's activations stay channels-last from block to block; compiled as parts, every
+part would write its outputs back in eager's layout and the next part convert them again: two
+copies per seam (4-5% of a UNet step here).  So a compiled part that can works channels-last at
+its edges: it takes its 4-D activation inputs (not weights) and gives its 4-D outputs
+channels-last, and eager's layout for everything else.  A part that cannot (its graph, run on
+fake inputs of the new layout, fails: a view that needs eager's strides) is left as it was.
+The split graph converts where the two meet, and at its own inputs and outputs, so what the
+caller sees keeps eager's strides.  The choice is a function of a part's own graph and inputs:
+identical parts stay identical and share one compile.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+from typing import Callable, Optional
+
+import torch
+import torch.fx
+
+from .. import torch_internals as ti
+
+# A part using one of these may depend on its inputs' strides: run it on fake inputs to see.
+_STRIDE_SENSITIVE = {"view", "view_as", "stride", "is_contiguous", "as_strided", "data_ptr"}
+
+
+def channels_last_wanted(gm: torch.fx.GraphModule, example: torch.Tensor) -> bool:
+    """Whether Inductor would compute ``gm`` (the whole Dynamo graph) channels-last: it
+    convolves, on a CPU with oneDNN (Inductor's own rule there).  On GPUs Inductor decides by
+    heuristics this step does not repeat, so seams keep eager's layout there."""
+    return (example.device.type == "cpu" and torch.backends.mkldnn.enabled
+            and torch.backends.mkldnn.is_available() and _convolves(gm))
+
+
+def _convolves(gm: torch.fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and "conv" in getattr(n.target, "__name__", "")
+               for n in gm.graph.nodes)
+
+
+def _format(v) -> Optional[torch.memory_format]:
+    """channels-last for a contiguous 4-D floating activation, else None (Inductor keeps
+    5-D convolutions in eager's layout)."""
+    if not (isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() == 4):
+        return None
+    fmt = torch.channels_last
+    if not v.is_contiguous() or v.is_contiguous(memory_format=fmt):
+        return None   # already another layout, or one where both layouts are the same
+    return fmt
+
+
+def _outputs(sub: torch.fx.GraphModule) -> list:
+    out = sub.graph.output_node().args[0]
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _runs_on(sub: torch.fx.GraphModule, inputs: list) -> bool:
+    if not any(n.op == "call_method" and n.target in _STRIDE_SENSITIVE for n in sub.graph.nodes):
+        return True
+    try:
+        with _fake(inputs):
+            torch.fx.Interpreter(sub).run(*inputs)
+        return True
+    except Exception:   # noqa: BLE001 - any failure keeps the seam in eager's layout
+        return False
+
+
+def _fake(values):
+    """The fake mode the values were made in (Dynamo's; not an enclosing trace's)."""
+    return ti.values_fake_mode(values) or contextlib.nullcontext()
+
+
+def _placeholders(sub) -> list:
+    return [n for n in sub.graph.nodes if n.op == "placeholder"]
+
+
+def _example(n: torch.fx.Node):
+    return n.meta.get("example_value", n.meta.get("val"))
+
+
+def _set_example(n: torch.fx.Node, v) -> None:
+    n.meta["example_value"] = v
+    if "val" in n.meta:
+        n.meta["val"] = v
+
+
+def channels_last_seams(split_gm: torch.fx.GraphModule, compiled: dict,
+                        wanted: Callable[[torch.Tensor], bool]) -> dict[str, int]:
+    """Compiled parts that can work channels-last take and give their 4-D activations so
+    (``compiled``: part name -> submodule of the parts that will be compiled; ``wanted(value)``:
+    whether channels-last is worth it for a value).  Where such a part meets anything else (the
+    graph's inputs and outputs, glue run as is, a part that cannot), the split graph converts.
+    The choice depends only on a part's own graph and inputs, so identical parts stay identical
+    and share one compile.  Returns, per part, how many of its outputs are now channels-last."""
+    memo: dict = {}
+    takes: dict[str, list] = {}     # part -> per placeholder: takes it channels-last
+    gives: dict[str, set] = {}      # part -> outputs it now gives channels-last
+    for name, sub in compiled.items():
+        plan = _channels_last_plan(sub, wanted, memo)
+        if plan is None:
+            continue
+        inputs, outputs, given = plan
+        takes[name] = inputs
+        for p, cl in zip(_placeholders(sub), inputs):
+            if cl:
+                with _fake([_example(p)]):
+                    _set_example(p, _example(p).contiguous(memory_format=torch.channels_last))
+        for j, fmt in enumerate(outputs):
+            if fmt is not None:
+                _return_as(sub, j, fmt)
+        gives[name] = set(given)
+    _convert_where_layouts_meet(split_gm, compiled, takes, gives)
+    return {name: len(given) for name, given in gives.items() if given}
+
+
+def _channels_last_plan(sub, wanted, memo: dict) -> Optional[tuple[list, list, list]]:
+    """For a part that can work channels-last: (per input: taken channels-last; per output: the
+    memory format it is given back in, None for a non-tensor; the outputs made channels-last),
+    else None."""
+    inputs = [_example(p) for p in _placeholders(sub)]
+    take = [_format(v) is not None and wanted(v) and _activation(p)
+            for p, v in zip(_placeholders(sub), inputs)]
+    eager = _eager_layout_of_outputs(sub)
+    if eager is None:
+        return None
+    given = [j for j, v in enumerate(map(_example, _outputs(sub)))
+             if _format(v) is not None and wanted(v)]
+    give = [torch.channels_last if j in given else fmt for j, fmt in enumerate(eager)]
+    if not any(take) and not given:
+        return None
+    key = (sub.code, tuple(map(_describe, inputs)))
+    if key not in memo:
+        with _fake(inputs):
+            trial = [v.contiguous(memory_format=torch.channels_last) if cl else v
+                     for v, cl in zip(inputs, take)]
+        memo[key] = _runs_on(sub, trial)
+    return (take, give, given) if memo[key] else None
+
+
+def _activation(p: torch.fx.Node) -> bool:
+    """Not a parameter or buffer: those are the model's own, read as they are (a layout copy
+    of a weight on every call would cost what the seam saves)."""
+    return not (isinstance(_example(p), torch.nn.Parameter)
+                or "._buffers[" in ti.graph_input_source(p))
+
+
+def _describe(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{tuple(v.shape)}{v.stride()}{v.dtype}"
+    return repr(v)
+
+
+def _convert_where_layouts_meet(split_gm, compiled: dict, takes: dict, gives: dict) -> None:
+    """Insert layout conversions in the split graph where a value's layout differs from what
+    its user takes (``takes``: part -> per input, channels-last or not; ``gives``: part -> the
+    outputs it now gives channels-last): eager's for the graph output, glue run as is and parts
+    that stay in eager's layout."""
+    has_cl: set = set()
+    for node in split_gm.graph.nodes:
+        if node.op != "call_module" or not gives.get(node.target):
+            continue
+        if isinstance(compiled[node.target].graph.output_node().args[0], (tuple, list)):
+            has_cl |= {u for u in node.users
+                       if u.target is operator.getitem and u.args[1] in gives[node.target]}
+        else:
+            has_cl.add(node)
+    made: dict = {}
+
+    def convert(value, to_cl: bool):
+        if not isinstance(value, torch.fx.Node) or (value in has_cl) == to_cl:
+            return value
+        if (value, to_cl) not in made:
+            fmt = torch.channels_last if to_cl else torch.contiguous_format
+            with split_gm.graph.inserting_after(value):
+                made[value, to_cl] = split_gm.graph.call_method(
+                    "contiguous", (value,), {"memory_format": fmt})
+        return made[value, to_cl]
+
+    for node in list(split_gm.graph.nodes):
+        if node.op == "call_module" and node.target in takes:
+            node.args = tuple(convert(a, cl) for a, cl in zip(node.args, takes[node.target]))
+        elif node.op in ("call_module", "output"):
+            node.args = torch.fx.node.map_arg(node.args, lambda a: convert(a, False))
+
+
+def _eager_layout_of_outputs(sub: torch.fx.GraphModule) -> Optional[list]:
+    """Per output, the memory format eager gave it (None: not a tensor), or None when one is
+    dense in no memory format (a layout this step could not give back)."""
+    formats = []
+    for v in map(_example, _outputs(sub)):
+        if not isinstance(v, torch.Tensor):
+            formats.append(None)
+            continue
+        fmt = ti.memory_format_of(v)
+        if not v.is_contiguous(memory_format=fmt):
+            return None
+        formats.append(fmt)
+    return formats
+
+
+def _return_as(sub: torch.fx.GraphModule, index: int, fmt: torch.memory_format) -> None:
+    """``sub`` returns its output ``index`` in layout ``fmt``."""
+    out = sub.graph.output_node()
+    values = _outputs(sub)
+    old = values[index]
+    with sub.graph.inserting_before(out):
+        new = sub.graph.call_method("contiguous", (old,), {"memory_format": fmt})
+    with _fake([_example(old)]):
+        _set_example(new, _example(old).contiguous(memory_format=fmt))
+    new.meta["nn_module_stack"] = old.meta.get("nn_module_stack", {})
+    values[index] = new
+    tuple_out = isinstance(out.args[0], (tuple, list))
+    out.args = (type(out.args[0])(values) if tuple_out else new,)
+    sub.recompile()

@@ -1,0 +1,118 @@
+"""Seams between compiled parts (convlower/regions/seams.py): channels-last where Inductor
+computes channels-last, eager's layout wherever a consumer or the caller could tell."""
+import pytest
+import torch
+from torch import nn
+
+import convlower
+from convlower import regions
+from convlower.regions import seams
+
+from helpers import compare_with_eager
+
+
+class ConvBlock(nn.Module):
+    """A ResNet-style block: over regions.blocks.MIN_AUTO_NODES, so "auto" takes it."""
+
+    def __init__(self, ch=8):
+        super().__init__()
+        self.n1, self.n2 = nn.GroupNorm(2, ch), nn.GroupNorm(2, ch)
+        self.c1, self.c2 = nn.Conv2d(ch, ch, 3, padding=1), nn.Conv2d(ch, ch, 3, padding=1)
+
+    def forward(self, x):
+        h = self.c1(nn.functional.silu(self.n1(x)))
+        h = self.c2(nn.functional.silu(self.n2(h)))
+        return (x + h) * 0.5
+
+
+class FlattensItsInput(ConvBlock):
+    """Reads its input through ``view``, which eager's strides allow and channels-last not."""
+
+    def forward(self, x):
+        flat = x.view(x.shape[0], -1)
+        return super().forward(x) + flat.mean(-1)[:, None, None, None]
+
+
+class Net(nn.Module):
+    def __init__(self, block=ConvBlock, ch=8):
+        super().__init__()
+        self.stem = nn.Conv2d(3, ch, 3, padding=1)
+        self.blocks = nn.ModuleList([block(ch) for _ in range(3)])
+        self.head = nn.Conv2d(ch, 3, 1)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_regions():
+    regions.clear()
+    yield
+    regions.clear()
+
+
+def _channels_last_outputs():
+    return sum(r["channels_last_out"] for r in convlower.report().to_dict()["regions"])
+
+
+def _run(model, x):
+    m = torch.compile(model.eval(), backend="convlower", options={"regions": "auto"})
+    with torch.no_grad():
+        return m(x), model(x)
+
+
+def test_seams_between_conv_blocks_go_channels_last_and_the_output_keeps_eagers_layout():
+    out, ref = _run(Net(), torch.randn(2, 3, 12, 12))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert out.is_contiguous() and out.stride() == ref.stride()
+    # stem, three blocks and head give their output channels-last; the split graph converts
+    # the head's back for the caller
+    assert _channels_last_outputs() == 5
+    assert "5 seams channels-last" in str(convlower.report())
+    # the first and last block meet the stem and the head like the middle one: one compile
+    recs = [r for r in convlower.report().to_dict()["regions"] if r["block"] == "ConvBlock"]
+    assert sorted(r["how"] for r in recs) == ["compiled", "reused", "reused"]
+
+
+def test_training_across_channels_last_seams_matches_eager():
+    compare_with_eager(Net(), torch.randn(2, 3, 12, 12), options={"regions": "auto"}, rel=1e-5)
+    assert _channels_last_outputs() > 0
+
+
+def test_a_block_that_views_its_input_keeps_its_seams_in_eagers_layout():
+    out, ref = _run(Net(FlattensItsInput), torch.randn(2, 3, 12, 12))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    recs = convlower.report().to_dict()["regions"]
+    assert any(r["block"] == "FlattensItsInput" and r["how"] == "reused" for r in recs)
+    # every block reads its input through a view: the blocks stay in eager's layout, the stem
+    # and the head (no view) still work channels-last, converted where they meet the blocks
+    recs = convlower.report().to_dict()["regions"]
+    assert all(r["channels_last_out"] == 0 for r in recs if r["block"] == "FlattensItsInput")
+    assert _channels_last_outputs() == 2
+
+
+def test_without_onednn_seams_keep_eagers_layout():
+    x = torch.randn(2, 3, 12, 12)
+    with torch.backends.mkldnn.flags(enabled=False):
+        out, ref = _run(Net(), x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert _channels_last_outputs() == 0
+
+
+def test_channels_last_is_wanted_only_for_a_convolving_graph_on_a_cpu_with_onednn():
+    class Linear(nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.gelu(x) * 2
+
+    conv_gm = torch.fx.symbolic_trace(nn.Sequential(nn.Conv2d(3, 3, 1)))
+    conv_gm.graph.call_function(torch.conv2d, ())  # Dynamo's graphs call the functional form
+    plain_gm = torch.fx.symbolic_trace(Linear())
+    x = torch.randn(1, 3, 4, 4)
+    assert seams.channels_last_wanted(conv_gm, x) == torch.backends.mkldnn.is_available()
+    assert not seams.channels_last_wanted(plain_gm, x)
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert not seams.channels_last_wanted(conv_gm, x)
+    assert not seams.channels_last_wanted(conv_gm, torch.randn(1, 3, 4, 4, device="meta"))
