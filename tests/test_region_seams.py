@@ -116,3 +116,35 @@ def test_channels_last_is_wanted_only_for_a_convolving_graph_on_a_cpu_with_onedn
     with torch.backends.mkldnn.flags(enabled=False):
         assert not seams.channels_last_wanted(conv_gm, x)
     assert not seams.channels_last_wanted(conv_gm, torch.randn(1, 3, 4, 4, device="meta"))
+
+
+class SequenceBlock(nn.Module):
+    """4-D (batch, sequence, heads, dim) tensors, no convolution or group norm."""
+
+    def __init__(self, dim=12):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+        return x + h.softmax(dim=1) * 0.5 - h.mean(dim=2, keepdim=True)
+
+
+def test_parts_that_do_not_work_on_images_keep_eagers_layout():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 12, 1)   # the graph convolves: channels-last is wanted
+            self.blocks = nn.ModuleList([SequenceBlock() for _ in range(3)])
+
+        def forward(self, x):
+            x = self.stem(x).permute(0, 2, 3, 1).contiguous()   # (batch, seq, heads, dim)
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    out, ref = _run(Mixed(), torch.randn(2, 3, 5, 6))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    recs = convlower.report().to_dict()["regions"]
+    blocks = [r for r in recs if r["block"] == "SequenceBlock"]
+    assert len(blocks) == 3 and all(r["channels_last_out"] == 0 for r in blocks)

@@ -6,8 +6,9 @@ Inductor computes a graph with convolutions channels-last on a CPU with oneDNN (
 graph, a UNet's activations stay channels-last from block to block; compiled as parts, every
 part would write its outputs back in eager's layout and the next part convert them again: two
 copies per seam (4-5% of a UNet step here).  So a compiled part that can works channels-last at
-its edges: it takes its 4-D activation inputs (not weights) and gives its 4-D outputs
-channels-last, and eager's layout for everything else.  A part that cannot (its graph, run on
+its edges when it works on images (convolves or group-normalises): it takes its 4-D
+activation inputs (not weights) and gives its 4-D outputs channels-last, and eager's layout for
+everything else.  A part that cannot (its graph, run on
 fake inputs of the new layout, fails: a view that needs eager's strides) is left as it was.
 The split graph converts where the two meet, and at its own inputs and outputs, so what the
 caller sees keeps eager's strides.  The choice is a function of a part's own graph and inputs:
@@ -25,6 +26,7 @@ import torch.fx
 from .. import torch_internals as ti
 
 # A part using one of these may depend on its inputs' strides: run it on fake inputs to see.
+_IMAGE_OPS = {"conv2d", "conv_transpose2d", "group_norm"}
 _STRIDE_SENSITIVE = {"view", "view_as", "stride", "is_contiguous", "as_strided", "data_ptr"}
 
 
@@ -39,6 +41,14 @@ def channels_last_wanted(gm: torch.fx.GraphModule, example: torch.Tensor) -> boo
 def _convolves(gm: torch.fx.GraphModule) -> bool:
     return any(n.op == "call_function" and "conv" in getattr(n.target, "__name__", "")
                for n in gm.graph.nodes)
+
+
+def _image_part(sub: torch.fx.GraphModule) -> bool:
+    """A part that convolves or group-normalises images (the ops whose 4-D tensors are
+    (N, C, H, W)): its 4-D activations are images.  A transformer's 4-D tensors are
+    (batch, sequence, heads, dim), which channels-last would only scatter."""
+    return any(n.op == "call_function" and getattr(n.target, "__name__", "") in _IMAGE_OPS
+               for n in sub.graph.nodes)
 
 
 def _format(v) -> Optional[torch.memory_format]:
@@ -120,6 +130,8 @@ def _channels_last_plan(sub, wanted, memo: dict) -> Optional[tuple[list, list, l
     """For a part that can work channels-last: (per input: taken channels-last; per output: the
     memory format it is given back in, None for a non-tensor; the outputs made channels-last),
     else None."""
+    if not _image_part(sub):
+        return None
     inputs = [_example(p) for p in _placeholders(sub)]
     take = [_format(v) is not None and wanted(v) and _activation(p)
             for p, v in zip(_placeholders(sub), inputs)]
