@@ -80,6 +80,10 @@ def hint(v) -> int:
     return _versions.hint(v, fallback=8) if isinstance(v, torch.SymInt) else int(v)
 
 
+# What torch's modules call to log their use (a no-op in a graph: nothing to compile).
+api_usage_log = torch._C._log_api_usage_once
+
+
 def graph_input_source(node: torch.fx.Node) -> str:
     """Where Dynamo read a graph input from (``L['self']._buffers['x']``), '' when unknown."""
     arg = node.meta.get("grapharg")

@@ -148,3 +148,18 @@ def test_parts_that_do_not_work_on_images_keep_eagers_layout():
     recs = convlower.report().to_dict()["regions"]
     blocks = [r for r in recs if r["block"] == "SequenceBlock"]
     assert len(blocks) == 3 and all(r["channels_last_out"] == 0 for r in blocks)
+
+
+def test_skip_connections_joined_along_channels_stay_channels_last():
+    class Skips(Net):
+        def forward(self, x):
+            a = self.blocks[0](self.stem(x))
+            b = self.blocks[1](a)
+            joined = torch.cat([a[:, :4], b[:, 4:]], dim=1)   # a part of its own, between blocks
+            return self.head(self.blocks[2](joined))
+
+    out, ref = _run(Skips(), torch.randn(2, 3, 12, 12))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    recs = convlower.report().to_dict()["regions"]
+    # only the graph's input is converted: the joins take the blocks' channels-last outputs
+    assert sum(r["inputs_converted"] for r in recs) == 1, recs

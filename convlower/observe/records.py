@@ -102,6 +102,7 @@ class RegionRecord(_Record):
     compile_s: float
     shared_from: str = ""           # the part that compiled the code a reused part calls
     channels_last_out: int = 0      # outputs handed to the next part channels-last (seams.py)
+    inputs_converted: int = 0       # inputs the split graph converts to its layout per call
 
 
 KINDS = {"convolutions": ConvRecord, "snake": SnakeRecord, "compiles": CompileRecord,

@@ -134,9 +134,11 @@ class Report:
                  for b, s, n, k, t, nodes in rows.values()]
         views = sum(1 for r in self.regions if not r.signature)
         seams = sum(r.channels_last_out for r in self.regions)
+        converted = sum(r.inputs_converted for r in self.regions)
         head = ["block", "signature", "instances", "compiled", "compile s", "nodes"]
         return (f"regions ({len(self.regions)} parts, {len(rows)} compiled, {views} run as "
-                f"is, {seams} seams channels-last):\n" + _fmt_table(table, head, flexible=(0,)))
+                f"is, {seams} seams channels-last, {converted} inputs converted per call):\n"
+                + _fmt_table(table, head, flexible=(0,)))
 
     def _conv_table(self) -> str:
         if not self.convolutions:

@@ -104,11 +104,13 @@ def compile_regions(gm: torch.fx.GraphModule, setting: Setting, compile_graph: C
     name = f"regions{next(_names)}"
     compiled = {p.name: split_gm.get_submodule(p.name) for p in parts
                 if not (p.region is None and p.only_views)}
-    changed = channels_last_seams(split_gm, compiled, lambda v: channels_last_wanted(gm, v))
+    changed, converted = channels_last_seams(split_gm, compiled,
+                                             lambda v: channels_last_wanted(gm, v))
     for part in parts:
         sub = split_gm.get_submodule(part.name)
         if part.region is None and part.only_views:
-            _note(name, part, "", "runs as is (views only)", 0.0, "", 0)
+            _note(name, part, "", "runs as is (views only)", 0.0, "", 0,
+                  converted.get(part.name, 0))
             continue
         inputs = _inputs(sub)
         key = signature(sub, inputs, _context(context, inputs))
@@ -117,14 +119,15 @@ def compile_regions(gm: torch.fx.GraphModule, setting: Setting, compile_graph: C
         fn, how, spent, first = _compiled_part(sub, inputs, key, f"{name}.{part.name}",
                                                compile_graph)
         _call_compiled(split_gm, part.name, fn, single)
-        _note(name, part, key, how, spent, first, changed.get(part.name, 0))
+        _note(name, part, key, how, spent, first, changed.get(part.name, 0),
+              converted.get(part.name, 0))
     split_gm.recompile()
     return split_gm
 
 
 def _note(graph: str, part: Part, key: str, how: str, spent: float, first: str,
-          channels_last_out: int) -> None:
+          channels_last_out: int, inputs_converted: int) -> None:
     _records.record(_records.RegionRecord(
         graph=graph, part=part.name, block=part.block or "(glue)", signature=key,
         nodes=part.nodes, how=how, compile_s=round(spent, 3), shared_from=first,
-        channels_last_out=channels_last_out))
+        channels_last_out=channels_last_out, inputs_converted=inputs_converted))

@@ -11,6 +11,7 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
+from .. import torch_internals as ti
 from .blocks import stack_of
 
 # Glue that only moves or views data runs as it is (no compile): a compile would cost more
@@ -18,7 +19,8 @@ from .blocks import stack_of
 VIEW_METHODS = {"view", "reshape", "permute", "transpose", "unsqueeze", "squeeze", "flatten",
                 "size", "chunk", "split", "expand", "contiguous", "unflatten", "dim"}
 VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.permute, torch.transpose,
-                  torch.unsqueeze, torch.squeeze, torch.flatten, torch.chunk, torch.split}
+                  torch.unsqueeze, torch.squeeze, torch.flatten, torch.chunk, torch.split,
+                  ti.api_usage_log}  # a no-op torch's modules call: nothing to compile
 
 
 @dataclasses.dataclass

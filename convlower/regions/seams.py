@@ -26,7 +26,7 @@ import torch.fx
 from .. import torch_internals as ti
 
 # A part using one of these may depend on its inputs' strides: run it on fake inputs to see.
-_IMAGE_OPS = {"conv2d", "conv_transpose2d", "group_norm"}
+_IMAGE_OPS = {"conv2d", "conv_transpose2d", "group_norm", "interpolate"}
 _STRIDE_SENSITIVE = {"view", "view_as", "stride", "is_contiguous", "as_strided", "data_ptr"}
 
 
@@ -44,11 +44,21 @@ def _convolves(gm: torch.fx.GraphModule) -> bool:
 
 
 def _image_part(sub: torch.fx.GraphModule) -> bool:
-    """A part that convolves or group-normalises images (the ops whose 4-D tensors are
-    (N, C, H, W)): its 4-D activations are images.  A transformer's 4-D tensors are
-    (batch, sequence, heads, dim), which channels-last would only scatter."""
-    return any(n.op == "call_function" and getattr(n.target, "__name__", "") in _IMAGE_OPS
+    """A part that works on images: convolves, group-normalises, resizes or joins them along
+    channels (a UNet's skip connections), the ops whose 4-D tensors are (N, C, H, W).  A
+    transformer's 4-D tensors are (batch, sequence, heads, dim), which channels-last would
+    only scatter."""
+    return any(n.op == "call_function" and (getattr(n.target, "__name__", "") in _IMAGE_OPS
+                                            or _channel_cat(n))
                for n in sub.graph.nodes)
+
+
+def _channel_cat(n: torch.fx.Node) -> bool:
+    if n.target is not torch.cat:
+        return False
+    dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0)
+    out = _example(n)
+    return isinstance(out, torch.Tensor) and out.dim() == 4 and dim in (1, -3)
 
 
 def _format(v) -> Optional[torch.memory_format]:
@@ -98,13 +108,14 @@ def _set_example(n: torch.fx.Node, v) -> None:
 
 
 def channels_last_seams(split_gm: torch.fx.GraphModule, compiled: dict,
-                        wanted: Callable[[torch.Tensor], bool]) -> dict[str, int]:
+                        wanted: Callable[[torch.Tensor], bool]) -> tuple[dict, dict]:
     """Compiled parts that can work channels-last take and give their 4-D activations so
     (``compiled``: part name -> submodule of the parts that will be compiled; ``wanted(value)``:
     whether channels-last is worth it for a value).  Where such a part meets anything else (the
     graph's inputs and outputs, glue run as is, a part that cannot), the split graph converts.
     The choice depends only on a part's own graph and inputs, so identical parts stay identical
-    and share one compile.  Returns, per part, how many of its outputs are now channels-last."""
+    and share one compile.  Returns, per part, how many of its outputs are now channels-last
+    and how many of its inputs the split graph converts on each call."""
     memo: dict = {}
     takes: dict[str, list] = {}     # part -> per placeholder: takes it channels-last
     gives: dict[str, set] = {}      # part -> outputs it now gives channels-last
@@ -122,8 +133,8 @@ def channels_last_seams(split_gm: torch.fx.GraphModule, compiled: dict,
             if fmt is not None:
                 _return_as(sub, j, fmt)
         gives[name] = set(given)
-    _convert_where_layouts_meet(split_gm, compiled, takes, gives)
-    return {name: len(given) for name, given in gives.items() if given}
+    converted = _convert_where_layouts_meet(split_gm, compiled, takes, gives)
+    return {name: len(given) for name, given in gives.items() if given}, converted
 
 
 def _channels_last_plan(sub, wanted, memo: dict) -> Optional[tuple[list, list, list]]:
@@ -165,7 +176,7 @@ def _describe(v) -> str:
     return repr(v)
 
 
-def _convert_where_layouts_meet(split_gm, compiled: dict, takes: dict, gives: dict) -> None:
+def _convert_where_layouts_meet(split_gm, compiled: dict, takes: dict, gives: dict) -> dict:
     """Insert layout conversions in the split graph where a value's layout differs from what
     its user takes (``takes``: part -> per input, channels-last or not; ``gives``: part -> the
     outputs it now gives channels-last): eager's for the graph output, glue run as is and parts
@@ -191,11 +202,18 @@ def _convert_where_layouts_meet(split_gm, compiled: dict, takes: dict, gives: di
                     "contiguous", (value,), {"memory_format": fmt})
         return made[value, to_cl]
 
+    converted: dict[str, int] = {}
     for node in list(split_gm.graph.nodes):
         if node.op == "call_module" and node.target in takes:
-            node.args = tuple(convert(a, cl) for a, cl in zip(node.args, takes[node.target]))
+            args = tuple(convert(a, cl) for a, cl in zip(node.args, takes[node.target]))
         elif node.op in ("call_module", "output"):
-            node.args = torch.fx.node.map_arg(node.args, lambda a: convert(a, False))
+            args = torch.fx.node.map_arg(node.args, lambda a: convert(a, False))
+        else:
+            continue
+        if node.op == "call_module":
+            converted[node.target] = sum(a is not b for a, b in zip(args, node.args))
+        node.args = args
+    return converted
 
 
 def _eager_layout_of_outputs(sub: torch.fx.GraphModule) -> Optional[list]:
