@@ -24,6 +24,7 @@ import torch
 import torch.fx
 
 from .. import torch_internals as ti
+from .signature import signature
 
 # A part using one of these may depend on its inputs' strides: run it on fake inputs to see.
 _IMAGE_OPS = {"conv2d", "conv_transpose2d", "group_norm", "interpolate"}
@@ -154,7 +155,7 @@ def _channels_last_plan(sub, wanted, memo: dict) -> Optional[tuple[list, list, l
     give = [torch.channels_last if j in given else fmt for j, fmt in enumerate(eager)]
     if not any(take) and not given:
         return None
-    key = (sub.code, tuple(map(_describe, inputs)))
+    key = signature(sub, inputs)   # names left out: every instance of a block shares one check
     if key not in memo:
         with _fake(inputs):
             trial = [v.contiguous(memory_format=torch.channels_last) if cl else v
@@ -168,12 +169,6 @@ def _activation(p: torch.fx.Node) -> bool:
     of a weight on every call would cost what the seam saves)."""
     return not (isinstance(_example(p), torch.nn.Parameter)
                 or "._buffers[" in ti.graph_input_source(p))
-
-
-def _describe(v) -> str:
-    if isinstance(v, torch.Tensor):
-        return f"{tuple(v.shape)}{v.stride()}{v.dtype}"
-    return repr(v)
 
 
 def _convert_where_layouts_meet(split_gm, compiled: dict, takes: dict, gives: dict) -> dict:
