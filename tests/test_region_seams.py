@@ -111,11 +111,11 @@ def test_channels_last_is_wanted_only_for_a_convolving_graph_on_a_cpu_with_onedn
     conv_gm.graph.call_function(torch.conv2d, ())  # Dynamo's graphs call the functional form
     plain_gm = torch.fx.symbolic_trace(Linear())
     x = torch.randn(1, 3, 4, 4)
-    assert seams.channels_last_wanted(conv_gm, x) == torch.backends.mkldnn.is_available()
-    assert not seams.channels_last_wanted(plain_gm, x)
+    assert seams.channels_last_wanted(conv_gm)(x) == torch.backends.mkldnn.is_available()
+    assert not seams.channels_last_wanted(plain_gm)(x)
     with torch.backends.mkldnn.flags(enabled=False):
-        assert not seams.channels_last_wanted(conv_gm, x)
-    assert not seams.channels_last_wanted(conv_gm, torch.randn(1, 3, 4, 4, device="meta"))
+        assert not seams.channels_last_wanted(conv_gm)(x)
+    assert not seams.channels_last_wanted(conv_gm)(torch.randn(1, 3, 4, 4, device="meta"))
 
 
 class SequenceBlock(nn.Module):

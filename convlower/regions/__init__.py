@@ -21,7 +21,7 @@ import torch.fx
 from .. import torch_internals as ti
 from ..observe import records as _records
 from .blocks import Setting, assign
-from .partition import Part, split
+from .partition import Part, example_inputs, returns_tuple, split
 from .seams import channels_last_seams, channels_last_wanted
 from .signature import signature
 
@@ -64,11 +64,6 @@ def _call_compiled(split_gm: torch.fx.GraphModule, part: str, fn: Callable,
     split_gm.delete_submodule(part)
 
 
-def _inputs(sub: torch.fx.GraphModule) -> list:
-    return [n.meta.get("example_value", n.meta.get("val"))
-            for n in sub.graph.nodes if n.op == "placeholder"]
-
-
 def _context(base: str, inputs: list) -> str:
     # Symbolic sizes mean something only in their own shape environment.
     env = ti.shape_env_of([v for v in inputs if isinstance(v, torch.Tensor)])
@@ -104,18 +99,17 @@ def compile_regions(gm: torch.fx.GraphModule, setting: Setting, compile_graph: C
     name = f"regions{next(_names)}"
     compiled = {p.name: split_gm.get_submodule(p.name) for p in parts
                 if not (p.region is None and p.only_views)}
-    changed, converted = channels_last_seams(split_gm, compiled,
-                                             lambda v: channels_last_wanted(gm, v))
+    changed, converted = channels_last_seams(split_gm, compiled, channels_last_wanted(gm))
     for part in parts:
         sub = split_gm.get_submodule(part.name)
         if part.region is None and part.only_views:
             _note(name, part, "", "runs as is (views only)", 0.0, "", 0,
                   converted.get(part.name, 0))
             continue
-        inputs = _inputs(sub)
+        inputs = example_inputs(sub)
         key = signature(sub, inputs, _context(context, inputs))
         # before compiling: compile_fx rewrites a graph that returns one value to return a tuple
-        single = not isinstance(sub.graph.output_node().args[0], (tuple, list))
+        single = not returns_tuple(sub)
         fn, how, spent, first = _compiled_part(sub, inputs, key, f"{name}.{part.name}",
                                                compile_graph)
         _call_compiled(split_gm, part.name, fn, single)

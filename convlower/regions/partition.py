@@ -58,3 +58,16 @@ def split(gm: torch.fx.GraphModule, owner: dict) -> tuple[torch.fx.GraphModule, 
         block = next((name for key, name in stack_of(run[0]) if key == region), "")
         parts.append(Part(f"submod_{i}", region, block, len(run), _only_views(run)))
     return split_gm, parts
+
+
+def example_of(node: torch.fx.Node):
+    """The value Dynamo traced for ``node`` (a fake tensor, SymInt, ...)."""
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def example_inputs(sub: torch.fx.GraphModule) -> list:
+    return [example_of(n) for n in sub.graph.nodes if n.op == "placeholder"]
+
+
+def returns_tuple(sub: torch.fx.GraphModule) -> bool:
+    return isinstance(sub.graph.output_node().args[0], (tuple, list))

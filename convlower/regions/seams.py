@@ -5,11 +5,11 @@ Inductor computes a graph with convolutions channels-last on a CPU with oneDNN (
 ``decide_layout_opt``), but gives every graph output the strides eager gave it.  Compiled as one
 graph, a UNet's activations stay channels-last from block to block; compiled as parts, every
 part would write its outputs back in eager's layout and the next part convert them again: two
-copies per seam (4-5% of a UNet step here).  So a compiled part that can works channels-last at
-its edges when it works on images (convolves or group-normalises): it takes its 4-D
-activation inputs (not weights) and gives its 4-D outputs channels-last, and eager's layout for
-everything else.  A part that cannot (its graph, run on
-fake inputs of the new layout, fails: a view that needs eager's strides) is left as it was.
+copies per seam (3-4% of a UNet step here).  So a compiled part that works on images
+(convolves, group-normalises, resizes or joins along channels) takes its 4-D activation inputs
+(not weights) and gives its 4-D outputs channels-last, and eager's layout for everything else.
+A part that cannot (its graph, run on fake inputs of the new layout, fails: a view that needs
+eager's strides) is left as it was.
 The split graph converts where the two meet, and at its own inputs and outputs, so what the
 caller sees keeps eager's strides.  The choice is a function of a part's own graph and inputs:
 identical parts stay identical and share one compile.
@@ -24,19 +24,23 @@ import torch
 import torch.fx
 
 from .. import torch_internals as ti
+from .partition import example_inputs, example_of, returns_tuple
 from .signature import signature
 
-# A part using one of these may depend on its inputs' strides: run it on fake inputs to see.
 _IMAGE_OPS = {"conv2d", "conv_transpose2d", "group_norm", "interpolate"}
+# A part using one of these may depend on its inputs' strides: run it on fake inputs to see.
 _STRIDE_SENSITIVE = {"view", "view_as", "stride", "is_contiguous", "as_strided", "data_ptr"}
 
 
-def channels_last_wanted(gm: torch.fx.GraphModule, example: torch.Tensor) -> bool:
-    """Whether Inductor would compute ``gm`` (the whole Dynamo graph) channels-last: it
-    convolves, on a CPU with oneDNN (Inductor's own rule there).  On GPUs Inductor decides by
-    heuristics this step does not repeat, so seams keep eager's layout there."""
-    return (example.device.type == "cpu" and torch.backends.mkldnn.enabled
-            and torch.backends.mkldnn.is_available() and _convolves(gm))
+def channels_last_wanted(gm: torch.fx.GraphModule) -> Callable[[torch.Tensor], bool]:
+    """Whether Inductor would compute a value of ``gm`` (the whole Dynamo graph) channels-last:
+    the graph convolves and the value is on a CPU with oneDNN (Inductor's own rule there).  On
+    GPUs Inductor decides by heuristics this step does not repeat, so seams keep eager's layout
+    there."""
+    convolves = _convolves(gm)   # once per graph, not per value
+    return lambda example: (convolves and example.device.type == "cpu"
+                            and torch.backends.mkldnn.enabled
+                            and torch.backends.mkldnn.is_available())
 
 
 def _convolves(gm: torch.fx.GraphModule) -> bool:
@@ -58,7 +62,7 @@ def _channel_cat(n: torch.fx.Node) -> bool:
     if n.target is not torch.cat:
         return False
     dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0)
-    out = _example(n)
+    out = example_of(n)
     return isinstance(out, torch.Tensor) and out.dim() == 4 and dim in (1, -3)
 
 
@@ -75,7 +79,7 @@ def _format(v) -> Optional[torch.memory_format]:
 
 def _outputs(sub: torch.fx.GraphModule) -> list:
     out = sub.graph.output_node().args[0]
-    return list(out) if isinstance(out, (tuple, list)) else [out]
+    return list(out) if returns_tuple(sub) else [out]
 
 
 def _runs_on(sub: torch.fx.GraphModule, inputs: list) -> bool:
@@ -96,10 +100,6 @@ def _fake(values):
 
 def _placeholders(sub) -> list:
     return [n for n in sub.graph.nodes if n.op == "placeholder"]
-
-
-def _example(n: torch.fx.Node):
-    return n.meta.get("example_value", n.meta.get("val"))
 
 
 def _set_example(n: torch.fx.Node, v) -> None:
@@ -128,8 +128,8 @@ def channels_last_seams(split_gm: torch.fx.GraphModule, compiled: dict,
         takes[name] = inputs
         for p, cl in zip(_placeholders(sub), inputs):
             if cl:
-                with _fake([_example(p)]):
-                    _set_example(p, _example(p).contiguous(memory_format=torch.channels_last))
+                with _fake([example_of(p)]):
+                    _set_example(p, example_of(p).contiguous(memory_format=torch.channels_last))
         for j, fmt in enumerate(outputs):
             if fmt is not None:
                 _return_as(sub, j, fmt)
@@ -144,13 +144,13 @@ def _channels_last_plan(sub, wanted, memo: dict) -> Optional[tuple[list, list, l
     else None."""
     if not _image_part(sub):
         return None
-    inputs = [_example(p) for p in _placeholders(sub)]
+    inputs = example_inputs(sub)
     take = [_format(v) is not None and wanted(v) and _activation(p)
             for p, v in zip(_placeholders(sub), inputs)]
     eager = _eager_layout_of_outputs(sub)
     if eager is None:
         return None
-    given = [j for j, v in enumerate(map(_example, _outputs(sub)))
+    given = [j for j, v in enumerate(map(example_of, _outputs(sub)))
              if _format(v) is not None and wanted(v)]
     give = [torch.channels_last if j in given else fmt for j, fmt in enumerate(eager)]
     if not any(take) and not given:
@@ -167,7 +167,7 @@ def _channels_last_plan(sub, wanted, memo: dict) -> Optional[tuple[list, list, l
 def _activation(p: torch.fx.Node) -> bool:
     """Not a parameter or buffer: those are the model's own, read as they are (a layout copy
     of a weight on every call would cost what the seam saves)."""
-    return not (isinstance(_example(p), torch.nn.Parameter)
+    return not (isinstance(example_of(p), torch.nn.Parameter)
                 or "._buffers[" in ti.graph_input_source(p))
 
 
@@ -180,7 +180,7 @@ def _convert_where_layouts_meet(split_gm, compiled: dict, takes: dict, gives: di
     for node in split_gm.graph.nodes:
         if node.op != "call_module" or not gives.get(node.target):
             continue
-        if isinstance(compiled[node.target].graph.output_node().args[0], (tuple, list)):
+        if returns_tuple(compiled[node.target]):
             has_cl |= {u for u in node.users
                        if u.target is operator.getitem and u.args[1] in gives[node.target]}
         else:
@@ -215,7 +215,7 @@ def _eager_layout_of_outputs(sub: torch.fx.GraphModule) -> Optional[list]:
     """Per output, the memory format eager gave it (None: not a tensor), or None when one is
     dense in no memory format (a layout this step could not give back)."""
     formats = []
-    for v in map(_example, _outputs(sub)):
+    for v in map(example_of, _outputs(sub)):
         if not isinstance(v, torch.Tensor):
             formats.append(None)
             continue
@@ -233,10 +233,9 @@ def _return_as(sub: torch.fx.GraphModule, index: int, fmt: torch.memory_format) 
     old = values[index]
     with sub.graph.inserting_before(out):
         new = sub.graph.call_method("contiguous", (old,), {"memory_format": fmt})
-    with _fake([_example(old)]):
-        _set_example(new, _example(old).contiguous(memory_format=fmt))
+    with _fake([example_of(old)]):
+        _set_example(new, example_of(old).contiguous(memory_format=fmt))
     new.meta["nn_module_stack"] = old.meta.get("nn_module_stack", {})
     values[index] = new
-    tuple_out = isinstance(out.args[0], (tuple, list))
-    out.args = (type(out.args[0])(values) if tuple_out else new,)
+    out.args = (type(out.args[0])(values) if returns_tuple(sub) else new,)
     sub.recompile()
