@@ -43,6 +43,16 @@ def _fresh_dynamo(request):
 
 
 @pytest.fixture
+def fresh_regions():
+    """No region part compiled by another test is reused, before or after this one."""
+    from convlower import regions
+
+    regions.clear()
+    yield
+    regions.clear()
+
+
+@pytest.fixture
 def cache(tmp_path):
     """A cold, private decision cache for measured selection, and the default timer back after
     the test (which may install a stub with ``measure.set_timer``)."""

@@ -5,10 +5,11 @@ import torch
 from torch import nn
 
 import convlower
-from convlower import regions
 from convlower.regions import seams
 
 from helpers import compare_with_eager
+
+pytestmark = pytest.mark.usefixtures("fresh_regions")  # no parts compiled by other tests
 
 
 class ConvBlock(nn.Module):
@@ -45,13 +46,6 @@ class Net(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.head(x)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_regions():
-    regions.clear()
-    yield
-    regions.clear()
 
 
 def _channels_last_outputs():

@@ -11,6 +11,8 @@ from convlower.backend.options import OptionError, parse
 
 from helpers import assert_close, compare_with_eager
 
+pytestmark = pytest.mark.usefixtures("fresh_regions")  # no parts compiled by other tests
+
 
 class Block(nn.Module):
     """Ten graph nodes: over regions.blocks.MIN_AUTO_NODES, so "auto" may take it."""
@@ -38,13 +40,6 @@ class Stack(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.down(self.wide(self.up(x)))
-
-
-@pytest.fixture(autouse=True)
-def _fresh_regions():
-    regions.clear()
-    yield
-    regions.clear()
 
 
 def _parts():
