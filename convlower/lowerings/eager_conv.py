@@ -35,11 +35,18 @@ from .. import torch_internals as ti
 from .rule import Condition, ConvCall, Rule, common_conditions
 
 aten = torch.ops.aten
-# Inductor hands the ops their inputs in the strides the graph traced (eager's).
-_TAGS = (getattr(torch.Tag, "needs_exact_strides", None) or torch.Tag.needs_fixed_stride_order,)
 
 
-def _params(c: ConvCall) -> tuple:
+def exact_strides_tags() -> tuple:
+    """Tags making Inductor hand a custom op its inputs in the strides the graph traced."""
+    return (getattr(torch.Tag, "needs_exact_strides", None) or torch.Tag.needs_fixed_stride_order,)
+
+
+_TAGS = exact_strides_tags()
+
+
+def conv_params(c: ConvCall) -> tuple:
+    """A conv's non-tensor arguments, in ``aten.convolution``'s order after the bias."""
     return (list(c.stride), list(c.padding), list(c.dilation), c.transposed,
             list(c.output_padding), c.groups)
 
@@ -131,14 +138,14 @@ class EagerConv(Rule):
                           sympy.sympify(inductor_format(site) is not None))]
 
     def emit(self, c, x, weight, bias):
-        return torch.ops.convlower.eager_conv(x, weight, bias, *_params(c))
+        return torch.ops.convlower.eager_conv(x, weight, bias, *conv_params(c))
 
     def emit_backward(self, c, output_mask):
         mask = [bool(m) for m in output_mask]
 
         def backward(grad_out, x, weight):
             grads = iter(torch.ops.convlower.eager_conv_backward(grad_out, x, weight,
-                                                                 *_params(c), mask))
+                                                                 *conv_params(c), mask))
             return tuple(next(grads) if m else None for m in mask)
 
         return backward

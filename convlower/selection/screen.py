@@ -4,8 +4,10 @@ The conv2d / mm kernels a rule calls are the same extern kernels Inductor calls,
 original convolution is one extern kernel too; what Inductor adds is fusion of a rule's
 slices and copies.  So an eager run of the rule's emission costs *at least* what the compiled
 one will (its copies unfused), and an eager run of the original costs what Inductor's will,
-up to the layout Inductor picks (the original is timed in both memory formats, the faster
-counts).  Hence:
+up to the layout Inductor picks: a 2-D conv's original is timed in both memory formats, the
+faster counting; a 3-D conv's in eager's only, which is the one Inductor runs (its layout
+optimisation is 2-D only; oneDNN's bf16 Conv3d runs 2-12x faster channels-last, so the other
+figure made every rule look like a loss).  Hence:
 
 * rule / original <= ``WIN`` (0.85): a clear win, even before fusion helps the rule;
 * rule / original >= ``LOSE`` (1.25), and the rule's GEMM / conv kernels and opaque copies
@@ -27,6 +29,7 @@ import torch
 from .. import device as _device
 from .. import torch_internals as ti
 from ..decompositions import emission
+from ..lowerings.channels_last_conv import opaque_ops as channels_last_ops
 from ..lowerings.eager_conv import RULE as EAGER_CONV, inductor_format
 from ..lowerings.rule import Rule
 from ..lowerings.site import ConvSite
@@ -41,8 +44,8 @@ BUDGET_S = float(os.environ.get("CONVLOWER_SCREEN_BUDGET_S", "0.5"))  # per site
 MIN_CONV_S = float(os.environ.get("CONVLOWER_SCREEN_MIN_US", "1000")) * 1e-6
 SAMPLES = 3
 # A rule's figure with only what its compiled code surely runs timed: its GEMM / conv kernels
-# and its opaque copies (convlower::dense / stack on a graph input or output: no producer or
-# consumer can fuse them).  A clear loss needs that to lose too.
+# and its opaque ops (convlower::dense / stack on a graph input or output: no producer or
+# consumer can fuse them; convlower::channels_last_conv, copies inside).  A clear loss needs that to lose too.
 KERNELS = ":kernels"
 _aten = torch.ops.aten
 _CONVS = {_aten.convolution, _aten._convolution, _aten.convolution_backward,
@@ -104,7 +107,7 @@ def _kernels_only(run: Callable[[], object], layout_opt: bool = False) -> Callab
     inputs they got: what the rule costs once Inductor has fused its other copies away.  With
     ``layout_opt`` (Inductor's layout optimisation, on CPU with mkldnn) its 2-D convs run
     channels-last, as the compiled code runs them (in bf16 that is the faster layout)."""
-    calls = ti.record_ops(run, _KERNELS | _opaque_copies())
+    calls = ti.record_ops(run, _KERNELS | _opaque_ops())
     if layout_opt:
         calls = [(f, _channels_last(args) if f.overloadpacket in _CONVS else args, kw)
                  for f, args, kw in calls]
@@ -118,9 +121,9 @@ def _kernels_only(run: Callable[[], object], layout_opt: bool = False) -> Callab
     return replay
 
 
-def _opaque_copies() -> set:
+def _opaque_ops() -> set:
     ops = torch.ops.convlower  # registered by convlower.lowerings.dense
-    return {ops.dense, ops.stack}
+    return {ops.dense, ops.stack} | channels_last_ops()
 
 
 def _channels_last(args) -> tuple:
@@ -153,11 +156,12 @@ def _inductor_original(site: ConvSite, args: list, fmt) -> Callable[[], object]:
 
 
 def _other_layout(args: list) -> Optional[list]:
-    """The activation in the other dense memory format (Inductor may pick either)."""
+    """A 2-D conv's activation in the other dense memory format (Inductor may pick either);
+    None for other convs, which Inductor runs in eager's layout."""
     x = args[0]
-    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
-    if fmt is None:
+    if x.dim() != 4:
         return None
+    fmt = torch.channels_last
     flipped = x.contiguous() if x.is_contiguous(memory_format=fmt) else x.contiguous(memory_format=fmt)
     return [flipped] + list(args[1:])
 
