@@ -130,6 +130,7 @@ def opaque_ops() -> set:
 class ChannelsLastConv(Rule):
     name = "channels_last_conv"
     summary = "a 3-D conv run channels-last (NDHWC) inside an opaque op, eager's layout out"
+    eager_numerics = True
 
     def conditions(self, c: ConvCall) -> list[Condition]:
         return common_conditions(c) + [

@@ -129,6 +129,7 @@ class EagerConv(Rule):
     summary = "the original conv as eager calls it (opaque op): Inductor's layout passes skip it"
     lowers = False
     follows_compute_dtype = False  # the original, in the model's own dtype
+    eager_numerics = True
 
     def conditions(self, c: ConvCall) -> list[Condition]:
         return common_conditions(c)

@@ -111,6 +111,9 @@ class Rule:
     emission: str = ""  # defaults to ``name``
     lowers: bool = True  # False: keeps the original computation; select="always" skips it
     follows_compute_dtype: bool = True  # runs in the opt-in ``compute_dtype``
+    # Computes with the original conv's own ATen kernels (as an opaque call, in another memory
+    # format): it inherits eager's numerics, errors of torch's reduced-precision CPU convs too.
+    eager_numerics: bool = False
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
