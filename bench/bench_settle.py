@@ -84,17 +84,19 @@ def _ratios(t: dict) -> str:
 
 def _lean(t: dict):
     """The screen's prediction on a call it kept: the lowering it predicts fastest compiled
-    (``screen.predicted``) if that beats the original, else eager_conv if it beat the original
-    in Inductor's layout, else None."""
-    from convlower.selection import screen
+    (``screen.predicted``) if that beats the original by the measurement's margin (5%: less is
+    a win no measurement takes), else eager_conv if it beat the original in Inductor's layout
+    by that margin, else None."""
+    from convlower.selection import measure, screen
 
+    keep = 1.0 - measure.MARGIN
     names = [k for k in t if not k.startswith("aten") and k != "eager_conv"
              and not k.endswith(screen.KERNELS)]
     best = min(names, key=lambda n: screen.predicted(t, n), default=None)
-    if best is not None and "aten" in t and screen.predicted(t, best) < t["aten"]:
+    if best is not None and "aten" in t and screen.predicted(t, best) <= keep * t["aten"]:
         return best
     ind = t.get(screen.INDUCTOR_LAYOUT)
-    return "eager_conv" if ind and t.get("eager_conv", ind) < ind else None
+    return "eager_conv" if ind and t.get("eager_conv", ind) <= keep * ind else None
 
 
 def _equivalent(pick, chosen, timings: dict) -> bool:
@@ -108,14 +110,22 @@ def _equivalent(pick, chosen, timings: dict) -> bool:
     return mine is not None and best is not None and mine <= (1 + measure.MARGIN) * best
 
 
-def _interleaved(fns: dict, inputs, train, params, rounds=7) -> dict:
+def _interleaved(fns: dict, inputs, train, params, rounds=9, sample_s=0.05) -> dict:
+    """Median seconds per step of each plan: rounds alternate the order, and each sample
+    repeats the step for about ``sample_s`` (single millisecond steps spread 10% here)."""
+    reps = {}
+    for name, fn in fns.items():
+        start = time.perf_counter()
+        _step(fn, inputs, train, params)
+        reps[name] = max(1, round(sample_s / max(time.perf_counter() - start, 1e-6)))
     times = {k: [] for k in fns}
     names = list(fns)
     for r in range(rounds):
         for name in (names if r % 2 else names[::-1]):
             start = time.perf_counter()
-            _step(fns[name], inputs, train, params)
-            times[name].append(time.perf_counter() - start)
+            for _ in range(reps[name]):
+                _step(fns[name], inputs, train, params)
+            times[name].append((time.perf_counter() - start) / reps[name])
     return {k: statistics.median(v) for k, v in times.items()}
 
 

@@ -241,3 +241,17 @@ def test_kernels_only_keeps_opaque_copies_and_runs_2d_convs_as_inductor_does():
         conv_args = spy.calls[1][1]
         assert conv_args[0].is_contiguous(memory_format=fmt)
         assert conv_args[1].is_contiguous(memory_format=fmt)
+
+
+def test_screen_times_its_figures_in_interleaved_rounds(monkeypatch):
+    """Every figure of one screen sees the same drift: rounds call each function once, in
+    alternating order, after one warm-up call each; past the budget no new round starts."""
+    calls = []
+    fns = {k: (lambda k=k: calls.append(k)) for k in "abc"}
+    times = screen._time_interleaved(fns, budget_s=60.0)
+    assert set(times) == {"a", "b", "c"}
+    rounds = [c for r in range(screen.SAMPLES) for c in ("abc" if r % 2 == 0 else "cba")]
+    assert calls == list("abc") + rounds
+    calls.clear()
+    screen._time_interleaved(fns, budget_s=0.0)
+    assert calls == list("abc") * 2  # warm-up, then one round

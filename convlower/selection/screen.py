@@ -15,7 +15,7 @@ figure made every rule look like a loss).  Hence:
 * in between: a close call, settled by compiled measurement in ``select="measure"`` and kept
   as the original in ``select="auto"``.
 
-Each figure is the median of a few eager runs (the whole screen of a conv stays within
+Each figure is the median of a few eager runs, timed in interleaved rounds (the whole screen of a conv stays within
 ``BUDGET_S``).  The function timing the candidates is injectable (:func:`set_screen`).
 """
 from __future__ import annotations
@@ -80,8 +80,7 @@ def eager_screen(site: ConvSite, candidates: Sequence[Rule],
     if EAGER_CONV in candidates and fmt is not None:
         fns[EAGER_CONV.name] = _bound(emission.build(site, EAGER_CONV), args)
         fns[INDUCTOR_LAYOUT] = _inductor_original(site, args, fmt)
-    share = BUDGET_S / len(fns)
-    times = {label: _time(fn, share) for label, fn in fns.items()}
+    times = _time_interleaved(fns, BUDGET_S)
     if "aten_other_layout" in times:
         times["aten"] = min(times["aten"], times.pop("aten_other_layout"))
     return times
@@ -166,15 +165,24 @@ def _other_layout(args: list) -> Optional[list]:
     return [flipped] + list(args[1:])
 
 
-def _time(fn: Callable[[], object], budget_s: float) -> float:
-    fn()  # warm-up: allocations, library plans
-    samples = []
+def _time_interleaved(fns: dict, budget_s: float) -> dict:
+    """Median seconds per call of each function, timed in rounds (each round calls every
+    function once, in alternating order) so that a drift of the machine or the allocator
+    (oneDNN's bf16 Conv3d took 2.3 or 5.3 ms by what the process had freed before) reaches
+    every figure alike.  Up to ``SAMPLES`` rounds, fewer past ``budget_s`` (at least one)."""
+    for fn in fns.values():
+        fn()  # warm-up: allocations, library plans
+    samples = {label: [] for label in fns}
+    labels = list(fns)
     deadline = time.perf_counter() + budget_s
-    while len(samples) < SAMPLES and (not samples or time.perf_counter() < deadline):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return sorted(samples)[len(samples) // 2]
+    for r in range(SAMPLES):
+        if r and time.perf_counter() >= deadline:
+            break
+        for label in (labels if r % 2 == 0 else labels[::-1]):
+            t0 = time.perf_counter()
+            fns[label]()
+            samples[label].append(time.perf_counter() - t0)
+    return {label: sorted(v)[len(v) // 2] for label, v in samples.items()}
 
 
 class _State:
