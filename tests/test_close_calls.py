@@ -177,3 +177,56 @@ def test_settling_measures_every_eligible_rule_not_only_the_close_ones(cache):
         assert _compile_rules(m, x) == [("time_sum_conv2d", "cache")]
     finally:
         screen.set_screen(prev)
+
+
+class _Conv3dPatch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv3d(4, 8, (1, 2, 2), (1, 2, 2))
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def test_a_clear_win_that_another_rule_may_beat_compiled_is_settled_too(cache):
+    """The screen sees channels_last_conv clearly win eagerly (0.8x, an opaque op: its eager
+    figure is its compiled one) and time_fold_conv2d lose eagerly but win on its kernels alone
+    (0.3x): the clear winner is taken now and the call is noted; settling measures it, takes
+    time_fold_conv2d (0.5x compiled), and the next compile uses that."""
+    prev = screen.set_screen(lambda site, cands, dt: {
+        "aten": 2e-3, **{c.name: 3e-3 for c in cands}, **{c.name + screen.KERNELS: 2e-3
+                                                           for c in cands},
+        "channels_last_conv": 1.6e-3, "channels_last_conv" + screen.KERNELS: 1.6e-3,
+        "time_fold_conv2d" + screen.KERNELS: 0.6e-3})
+    selection.set_timer(lambda label, fn, budget: {"aten": 1.0, "channels_last_conv": 0.8,
+                                                   "time_fold_conv2d": 0.5}.get(label, 0.9))
+    try:
+        torch.manual_seed(0)
+        m, x = _Conv3dPatch(), torch.randn(1, 4, 3, 8, 8)
+        assert _compile_rules(m, x) == [("channels_last_conv", "screen")]
+        assert "time_fold_conv2d may beat it compiled" in convlower.report().convolutions[0].reason
+        assert close_calls.open_calls() == 1
+        before = close_calls.settled_digest()
+        (s,), left, _ = close_calls.settle()
+        assert s.rule == "time_fold_conv2d" and s.changed and left == 0
+        assert s.saved_s == pytest.approx(0.3)  # against the screen's choice, not the original
+        assert close_calls.settled_digest() != before
+        assert _compile_rules(m, x) == [("time_fold_conv2d", "cache")]
+    finally:
+        screen.set_screen(prev)
+
+
+def test_a_clear_win_with_no_faster_rival_is_not_a_close_call(cache):
+    """Rivals whose kernels alone are within the margin of the winner (0.775x vs 0.8x): no
+    close call, nothing for a warm-up to measure."""
+    prev = screen.set_screen(lambda site, cands, dt: {
+        "aten": 2e-3, **{c.name: 3e-3 for c in cands}, **{c.name + screen.KERNELS: 1.55e-3
+                                                           for c in cands},
+        "channels_last_conv": 1.6e-3, "channels_last_conv" + screen.KERNELS: 1.6e-3})
+    try:
+        torch.manual_seed(0)
+        assert _compile_rules(_Conv3dPatch(), torch.randn(1, 4, 3, 8, 8)) == \
+            [("channels_last_conv", "screen")]
+        assert close_calls.open_calls() == 0
+    finally:
+        screen.set_screen(prev)

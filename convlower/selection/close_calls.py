@@ -34,6 +34,7 @@ class _Open:
     key: str                   # where auto looks for a measured decision
     compute_dtype: Optional[str]
     screen: dict               # the screen's seconds per candidate ("aten" = the original)
+    chosen: Optional[str] = None  # what the screen chose meanwhile (None: the original)
 
 
 @dataclasses.dataclass
@@ -42,7 +43,7 @@ class Settled:
 
     conv: str                  # the call, in words (sizes, stride, dtype, phase)
     rule: Optional[str]        # the measured choice (None: the original stays)
-    changed: bool              # the choice differs from the original the screen kept
+    changed: bool              # the choice differs from what the screen chose
     screen_ratio: Optional[float]    # best close candidate / original, as the screen predicts
     compiled_ratio: Optional[float]  # best candidate / original, compiled and timed
     saved_s: float             # seconds per call of this conv the change saves (>= 0)
@@ -65,13 +66,15 @@ _lock = threading.Lock()
 
 
 def note_close(site: ConvSite, candidates: Sequence[Rule], close: Sequence[str],
-               compute_dtype: Optional[str], screen: dict) -> None:
-    """A close call ``auto`` kept the original for (or found so in the cache): ``close``
-    names the candidates the screen could not tell from the original."""
+               compute_dtype: Optional[str], screen: dict,
+               chosen: Optional[str] = None) -> None:
+    """A close call ``auto`` kept the original for, or chose rule ``chosen`` in while others
+    may beat it compiled (or found so in the cache): ``close`` names the candidates the screen
+    could not tell apart."""
     key = decision_key(site, candidates, compute_dtype, measure.METHOD)
     with _lock:
         _OPEN.setdefault(key, _Open(site, tuple(candidates), tuple(close), key, compute_dtype,
-                                    dict(screen)))
+                                    dict(screen), chosen))
 
 
 def open_calls() -> int:
@@ -111,13 +114,14 @@ def _measure(call: _Open) -> Settled:
     decision = measure.decide(call.site, call.candidates, call.compute_dtype)
     measured = CACHE.lookup(call.key)  # measure stored it under the key auto reads
     if measured is not None and not measured.get("settled"):
-        CACHE.store(call.key, dict(measured, settled=True))
+        CACHE.store(call.key, dict(measured, settled=True, screen_rule=call.chosen))
     t = decision.timings
     base = t.get("aten")
     best = min((n for n in t if n in {r.name for r in call.candidates}), key=t.get, default=None)
     rule = decision.rule.name if decision.rule else None
-    saved = max(base - t[rule], 0.0) if rule and base else 0.0
-    return Settled(conv=_describe(call.site), rule=rule, changed=rule is not None,
+    was, now = t.get(call.chosen or "aten"), t.get(rule or "aten")
+    saved = max(was - now, 0.0) if was is not None and now is not None else 0.0
+    return Settled(conv=_describe(call.site), rule=rule, changed=rule != call.chosen,
                    screen_ratio=_screen_ratio(call), seconds=decision.seconds,
                    compiled_ratio=t[best] / base if best and base else None,
                    saved_s=saved, why=decision.why)
@@ -136,9 +140,10 @@ def _describe(site: ConvSite) -> str:
 
 
 def settled_digest() -> str:
-    """A digest of the settled decisions that lower a conv (part of the cache key of every
-    graph convlower compiles: a changed choice recompiles the graphs once).  A measurement
-    that kept the original changes no code, so it leaves the cached graphs warm."""
+    """A digest of the settled decisions that change what the screen chose (part of the cache
+    key of every graph convlower compiles: a changed choice recompiles the graphs once).  A
+    measurement that keeps the screen's choice changes no code, so it leaves the cached graphs
+    warm."""
     settled = sorted((k, v["rule"]) for k, v in CACHE.entries().items()
-                     if v.get("settled") and v.get("rule"))
+                     if v.get("settled") and v.get("rule") != v.get("screen_rule"))
     return hashlib.sha256(json.dumps(settled).encode()).hexdigest()[:16]
