@@ -88,6 +88,8 @@ def test_conditions_keep_it_to_3d_convs_not_already_channels_last():
     c2 = ConvCall.from_args([torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3), None,
                              [1, 1], [0, 0], [1, 1], False, [0, 0], 1])
     assert check(RULE, c2).rejected == "a 3-D conv is false"
+    dilated = ConvCall.from_args([x, w, b, [1, 1, 1], [0, 0, 0], [1, 2, 1], False, [0, 0, 0], 2])
+    assert check(RULE, dilated).rejected == "dilation == 1 is false"  # NDHWC crashed on such
     assert RULE.lowers and RULES["channels_last_conv"] is RULE
 
 
