@@ -65,3 +65,15 @@ def cache(tmp_path):
     selection.set_timer(prev)
     selection.set_cache_dir(None)
     selection.clear_memory()
+
+
+@pytest.fixture
+def figures(cache):
+    """Screen figures injected per test (``figures({"aten": ..., rule: ...})``); the eager
+    screen back afterwards."""
+    from convlower.selection import screen
+
+    def install(times):
+        screen.set_screen(lambda site, cands, dt: dict(times))
+    yield install
+    screen.set_screen(None)

@@ -106,14 +106,6 @@ def test_screen_times_the_op_whole_and_a_3d_original_in_eagers_layout_only():
     assert torch.ops.convlower.channels_last_conv in opaque_ops()
 
 
-@pytest.fixture
-def figures(cache):
-    def install(times):
-        screen.set_screen(lambda site, cands, dt: dict(times))
-    yield install
-    screen.set_screen(None)
-
-
 @pytest.mark.parametrize("figure,chosen", [(1.0e-3, "channels_last_conv"), (1.9e-3, None)],
                          ids=["clear win", "close"])
 def test_screen_takes_it_on_a_clear_win(figures, figure, chosen):

@@ -122,15 +122,6 @@ def test_site_condition_follows_inductors_layout_decision():
 FIG = screen.INDUCTOR_LAYOUT
 
 
-@pytest.fixture
-def figures(cache):
-    """Screen figures injected per test; the eager screen back afterwards."""
-    def install(times):
-        screen.set_screen(lambda site, cands, dt: dict(times))
-    yield install
-    screen.set_screen(None)
-
-
 def layout_site(**kw):
     x, w, b = tensors()
     return site_of_call(conv_call(x, w, b), layout_opt=True, **{"input_produced": False, **kw})

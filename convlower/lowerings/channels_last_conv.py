@@ -34,7 +34,8 @@ import sympy
 import torch
 
 from .. import torch_internals as ti
-from .eager_conv import conv_params, exact_strides_tags
+from .opaque_conv import (conv_grads, conv_params, exact_strides_tags, opaque_backward,
+                          route_autograd)
 from .rule import Condition, ConvCall, Rule, common_conditions
 
 aten = torch.ops.aten
@@ -69,61 +70,25 @@ def _(x, weight, bias, stride, padding, dilation, transposed, output_padding, gr
                                     output_padding, groups).contiguous()
 
 
-def _backward(grad_out, x, weight, stride, padding, dilation, transposed, output_padding,
-              groups, output_mask):
-    bias_sizes = [grad_out.shape[1]] if output_mask[2] else None
-    grads = aten.convolution_backward.default(_ndhwc(grad_out), _ndhwc(x), _ndhwc(weight),
-                                              bias_sizes, stride, padding, dilation,
-                                              transposed, output_padding, groups,
-                                              list(output_mask))
-    # Gradients in the layout of what they are gradients of (contiguous, see the conditions).
-    return [_contiguous(g) for g, m in zip(grads, output_mask) if m]
-
-
 @torch.library.custom_op("convlower::channels_last_conv_backward", mutates_args=(),
                          tags=exact_strides_tags())
 def _channels_last_conv_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                                  stride: list[int], padding: list[int], dilation: list[int],
                                  transposed: bool, output_padding: list[int], groups: int,
                                  output_mask: list[bool]) -> list[torch.Tensor]:
-    """The wanted gradients only, in (input, weight, bias) order."""
-    return _backward(grad_out, x, weight, stride, padding, dilation, transposed,
-                     output_padding, groups, output_mask)
+    """The wanted gradients only, in (input, weight, bias) order, each in the layout of what
+    it is the gradient of (contiguous, see the conditions)."""
+    grads = conv_grads(_ndhwc(grad_out), _ndhwc(x), _ndhwc(weight), stride, padding, dilation,
+                       transposed, output_padding, groups, output_mask)
+    return [_contiguous(g) for g in grads]
 
 
 @_channels_last_conv_backward.register_fake
-def _(grad_out, x, weight, stride, padding, dilation, transposed, output_padding, groups,
-      output_mask):
-    return [g.contiguous() for g in _eager_grads(grad_out, x, weight, stride, padding, dilation,
-                                                 transposed, output_padding, groups,
-                                                 output_mask)]
+def _(grad_out, x, weight, *params_and_mask):
+    return [g.contiguous() for g in conv_grads(grad_out, x, weight, *params_and_mask)]
 
 
-def _eager_grads(grad_out, x, weight, *params_and_mask):
-    *params, mask = params_and_mask
-    bias_sizes = [grad_out.shape[1]] if mask[2] else None
-    grads = aten.convolution_backward.default(grad_out, x, weight, bias_sizes, *params,
-                                              list(mask))
-    return [g for g, m in zip(grads, mask) if m]
-
-
-def _setup(ctx, inputs, output):
-    x, weight, bias, *params = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.params = params
-    ctx.has_bias = bias is not None
-
-
-def _autograd_backward(ctx, grad):
-    x, weight = ctx.saved_tensors
-    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-            ctx.has_bias and ctx.needs_input_grad[2]]
-    grads = iter(_channels_last_conv_backward(grad, x, weight, *ctx.params, mask)
-                 if any(mask) else [])
-    return (*(next(grads) if m else None for m in mask), *([None] * len(ctx.params)))
-
-
-_channels_last_conv.register_autograd(_autograd_backward, setup_context=_setup)
+route_autograd(_channels_last_conv, _channels_last_conv_backward)
 
 
 def opaque_ops() -> set:
@@ -142,23 +107,16 @@ class ChannelsLastConv(Rule):
             Condition("a 3-D conv", sympy.sympify(c.ndim == 3)),
             Condition("dilation == 1", sympy.sympify(all(d == 1 for d in c.dilation))),
             Condition("activation not channels-last-3d",
-                      sympy.sympify(c.ndim != 3 or ti.memory_format_of(c.x) != NDHWC)),
+                      sympy.sympify(ti.memory_format_of(c.x) != NDHWC)),
             Condition("weight not channels-last-3d",
-                      sympy.sympify(c.ndim != 3 or ti.memory_format_of(c.weight) != NDHWC)),
+                      sympy.sympify(ti.memory_format_of(c.weight) != NDHWC)),
         ]
 
     def emit(self, c, x, weight, bias):
         return _channels_last_conv(x, weight, bias, *conv_params(c))
 
     def emit_backward(self, c, output_mask):
-        mask = [bool(m) for m in output_mask]
-
-        def backward(grad_out, x, weight):
-            grads = iter(_channels_last_conv_backward(grad_out, x, weight, *conv_params(c),
-                                                      mask))
-            return tuple(next(grads) if m else None for m in mask)
-
-        return backward
+        return opaque_backward(_channels_last_conv_backward, c, output_mask)
 
     def heuristic(self, c, platform):
         # Even bf16 on CPU, where the conv itself is 2-12x faster, the copies make some

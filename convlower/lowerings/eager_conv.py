@@ -32,23 +32,13 @@ import sympy
 import torch
 
 from .. import torch_internals as ti
+from .opaque_conv import (conv_grads, conv_params, exact_strides_tags, opaque_backward,
+                          route_autograd)
 from .rule import Condition, ConvCall, Rule, common_conditions
 
 aten = torch.ops.aten
-
-
-def exact_strides_tags() -> tuple:
-    """Tags making Inductor hand a custom op its inputs in the strides the graph traced."""
-    return (getattr(torch.Tag, "needs_exact_strides", None) or torch.Tag.needs_fixed_stride_order,)
-
-
+# Inductor hands the ops their inputs in the strides the graph traced (eager's).
 _TAGS = exact_strides_tags()
-
-
-def conv_params(c: ConvCall) -> tuple:
-    """A conv's non-tensor arguments, in ``aten.convolution``'s order after the bias."""
-    return (list(c.stride), list(c.padding), list(c.dilation), c.transposed,
-            list(c.output_padding), c.groups)
 
 
 @torch.library.custom_op("convlower::eager_conv", mutates_args=(), tags=_TAGS)
@@ -72,39 +62,12 @@ def _eager_conv_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.
                          transposed: bool, output_padding: list[int], groups: int,
                          output_mask: list[bool]) -> list[torch.Tensor]:
     """The wanted gradients only, in (input, weight, bias) order."""
-    return _backward(grad_out, x, weight, stride, padding, dilation, transposed,
-                     output_padding, groups, output_mask)
+    return conv_grads(grad_out, x, weight, stride, padding, dilation, transposed,
+                      output_padding, groups, output_mask)
 
 
-def _backward(grad_out, x, weight, stride, padding, dilation, transposed, output_padding,
-              groups, output_mask):
-    bias_sizes = [grad_out.shape[1]] if output_mask[2] else None
-    grads = aten.convolution_backward.default(grad_out, x, weight, bias_sizes, stride, padding,
-                                              dilation, transposed, output_padding, groups,
-                                              list(output_mask))
-    return [g for g, m in zip(grads, output_mask) if m]
-
-
-_eager_conv_backward.register_fake(_backward)
-
-
-def _setup(ctx, inputs, output):
-    x, weight, bias, *params = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.params = params
-    ctx.has_bias = bias is not None
-
-
-def _autograd_backward(ctx, grad):
-    x, weight = ctx.saved_tensors
-    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-            ctx.has_bias and ctx.needs_input_grad[2]]
-    grads = iter(torch.ops.convlower.eager_conv_backward(grad, x, weight, *ctx.params, mask)
-                 if any(mask) else [])
-    return (*(next(grads) if m else None for m in mask), *([None] * len(ctx.params)))
-
-
-_eager_conv.register_autograd(_autograd_backward, setup_context=_setup)
+_eager_conv_backward.register_fake(conv_grads)
+route_autograd(_eager_conv, _eager_conv_backward)
 
 
 def inductor_format(site) -> Optional[torch.memory_format]:
@@ -142,14 +105,7 @@ class EagerConv(Rule):
         return torch.ops.convlower.eager_conv(x, weight, bias, *conv_params(c))
 
     def emit_backward(self, c, output_mask):
-        mask = [bool(m) for m in output_mask]
-
-        def backward(grad_out, x, weight):
-            grads = iter(torch.ops.convlower.eager_conv_backward(grad_out, x, weight,
-                                                                 *conv_params(c), mask))
-            return tuple(next(grads) if m else None for m in mask)
-
-        return backward
+        return opaque_backward(_eager_conv_backward, c, output_mask)
 
     def heuristic(self, c, platform):
         if platform == "cpu" and c.x.dtype == torch.float32:
