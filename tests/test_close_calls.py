@@ -230,3 +230,15 @@ def test_a_clear_win_with_no_faster_rival_is_not_a_close_call(cache):
         assert close_calls.open_calls() == 0
     finally:
         screen.set_screen(prev)
+
+
+def test_a_clear_winner_is_no_rival_of_itself():
+    """A lowering's own kernels alone always undercut its eager figure: that is no reason to
+    measure it again at warm-up."""
+    from convlower.lowerings import RULES
+    from convlower.selection import auto
+
+    rule, _, close = auto.judge({"aten": 2e-3, "patchify_mm": 1.6e-3,
+                                 "patchify_mm" + screen.KERNELS: 0.6e-3},
+                                {"patchify_mm": RULES["patchify_mm"]})
+    assert rule is RULES["patchify_mm"] and close == set()

@@ -114,7 +114,8 @@ def judge(times: dict, by_name: dict) -> tuple[Optional[Rule], str, set]:
     best = min(ratios, key=ratios.get, default=None)
     floor = {n: screen.predicted(times, n) / base for n in ratios}
     if best is not None and ratios[best] <= screen.WIN:
-        rivals = {n for n in ratios if floor[n] < (1.0 - measure.MARGIN) * ratios[best]}
+        rivals = {n for n in ratios
+                  if n != best and floor[n] < (1.0 - measure.MARGIN) * ratios[best]}
         why = f"{best} takes {ratios[best]:.2f}x the original's time eagerly (a clear win: " \
               f"<= {screen.WIN}x)"
         if rivals:
