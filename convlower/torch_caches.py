@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from typing import Callable, Optional
 
 import torch
@@ -116,10 +117,11 @@ def on_fx_graph_cache(on_lookup: Callable, on_save: Callable) -> bool:
 def remember_vec_isa_probe(active: Callable[[], bool]) -> bool:
     """Inductor checks each CPU vector ISA once per process: it builds a small library (cached)
     and loads it in a fresh Python child, about 0.45 s per ISA, 1.4 s per process on the 2-core
-    development machine even with a warm cache.  Inside a convlower compile (``active()``) a
-    library that loaded on this machine is taken as loading again: the answer is kept beside it,
-    for this host, CPU flags, Python and torch (another machine sharing the cache probes anew).
-    False where this torch's Inductor has no such probe."""
+    development machine even with a warm cache.  Inside a convlower compile (``active()``), or
+    in the probe started ahead (:func:`probe_vec_isa_ahead`), a library that loaded on this
+    machine is taken as loading again: the answer is kept beside it, for this host, CPU flags,
+    Python and torch (another machine sharing the cache probes anew).  False where this torch's
+    Inductor has no such probe."""
     try:
         from torch._inductor.cpu_vec_isa import VecISA
     except ImportError:
@@ -133,7 +135,7 @@ def remember_vec_isa_probe(active: Callable[[], bool]) -> bool:
         return False
 
     def _probe_load(self, output_path):
-        if not active():
+        if not (active() or getattr(_ahead, "on", False)):
             return probe(self, output_path)
         marker, machine = output_path + ".convlower-loads", _machine()
         try:
@@ -150,6 +152,52 @@ def remember_vec_isa_probe(active: Callable[[], bool]) -> bool:
 
     _probe_load.convlower_original = probe
     VecISA._probe_load = _probe_load
+    return True
+
+
+_ahead = threading.local()    # .on: this thread is the probe started ahead
+_ahead_lock = threading.Lock()
+_ahead_thread: Optional[threading.Thread] = None
+
+
+def probe_vec_isa_ahead() -> bool:
+    """Run Inductor's vector-ISA check (build and load a library per ISA) in a background
+    thread, once per process: its compiler and loader children run on another core while this
+    thread traces the graph.  Whoever asks for the ISA list meanwhile waits for that thread
+    (two threads checking at once would share the ISA objects' temporary compiler flags).
+    Nothing starts where the ISA is configured (``cpp.vec_isa_ok``: no check runs) or this
+    Inductor has no such check.  True when started."""
+    global _ahead_thread
+    try:
+        from torch._inductor import config, cpu_vec_isa
+    except ImportError:
+        return False
+    listed = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
+    if (listed is None or not hasattr(listed, "cache_clear") or config.is_fbcode()
+            or config.cpp.vec_isa_ok is not None):
+        return False
+    with _ahead_lock:
+        if _ahead_thread is not None:
+            return False
+
+        def run():
+            _ahead.on = True
+            try:
+                listed()  # cached per process: what pick_vec_isa reads
+            except Exception as e:  # the first caller checks again, as it always did
+                log.debug("convlower: vector-ISA probe ahead failed: %r", e)
+
+        def valid_vec_isa_list():
+            if threading.current_thread() is not thread:
+                thread.join()
+            return listed()
+
+        valid_vec_isa_list.cache_clear = listed.cache_clear
+        valid_vec_isa_list.convlower_original = listed
+        thread = _ahead_thread = threading.Thread(target=run, name="convlower-vec-isa-probe",
+                                                  daemon=True)
+        cpu_vec_isa.valid_vec_isa_list = valid_vec_isa_list
+        thread.start()
     return True
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import sys
 from typing import Callable, Optional
 
 import sympy
@@ -259,6 +260,26 @@ def on_compile(start: Callable, end: Callable) -> bool:
         return False
 
 
+def backend_being_compiled() -> Optional[Callable]:
+    """The backend function the frame Dynamo is starting to compile goes to (for a compile-start
+    callback), unwrapped from torch.compile's wrappers; None where this torch hides it."""
+    try:
+        frame = sys._getframe(1)
+        while frame is not None and not (frame.f_code.co_name == "_compile"
+                                         and "compiler_fn" in frame.f_locals):
+            frame = frame.f_back
+        fn = frame.f_locals["compiler_fn"] if frame is not None else None
+        for _ in range(8):  # WrapBackendDebug -> _TorchCompileWrapper -> the function
+            inner = (getattr(fn, "_torchdynamo_orig_backend", None)
+                     or getattr(fn, "compiler_fn", None))
+            if inner is None or inner is fn:
+                return fn
+            fn = inner
+    except Exception:
+        pass
+    return None
+
+
 def graph_break_logger() -> Optional[logging.Logger]:
     try:
         return torch._logging.getArtifactLogger("torch._dynamo.symbolic_convert", "graph_breaks")
@@ -282,7 +303,8 @@ def trace_artifact(name: str, payload: dict, compile_id: Optional[str] = None) -
 # Inductor's caches and the FX graph cache hooks live in torch_caches.py (re-exported here).
 from .torch_caches import (cached_graph_guards, caches_disabled,  # noqa: E402,F401
                            clear_inductor_caches, inductor_cache_dir, inductor_caches_off,
-                           on_fx_graph_cache, post_grad_pass, remember_vec_isa_probe)
+                           on_fx_graph_cache, post_grad_pass, probe_vec_isa_ahead,
+                           remember_vec_isa_probe)
 
 
 def record_ops(run: Callable[[], object], packets: set) -> list:

@@ -62,6 +62,27 @@ ti.build_kernels_together(_kernels_together, _stats.note_kernels)  # compile sec
 ti.remember_vec_isa_probe(_in_our_compile)  # 1.4 s of every process's first compile
 
 
+def _probe_ahead(example_inputs=None) -> None:
+    # Inductor's vector-ISA probe waits on child processes: started now, it runs on another
+    # core while this one traces.  At Dynamo's start of a frame bound for this backend where
+    # no accelerator can take the graph; else once a graph with CPU tensors reaches us.
+    if example_inputs is None:
+        cpu = (ti.backend_being_compiled() is convlower_backend
+               and not torch.accelerator.is_available())
+    else:
+        cpu = any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in example_inputs)
+    if cpu:
+        ti.probe_vec_isa_ahead()
+
+
+def _probe_ahead_at_start(_args) -> None:
+    _probe_ahead()
+
+
+# Once per process is enough: torch._dynamo.reset() drops it, but the probe has run by then.
+ti.on_compile(_probe_ahead_at_start, lambda _: None)
+
+
 def _inductor(gm, example_inputs, mode: Optional[str], opts, patches=None):
     # As torch.compile does for backend="inductor" (mode and Inductor options applied and
     # validated the same way), plus our patches for this compile and its later backward.
@@ -72,6 +93,7 @@ def convlower_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[s
                       options: Optional[dict] = None):
     """A ``torch.compile`` backend (entry point ``convlower``)."""
     opts = _options.parse(options, mode=mode)
+    _probe_ahead(example_inputs)
     if opts.regions != "off":  # each repeated block compiled once (regions/), else whole
         context = json.dumps({"options": opts.key(), "mode": mode,
                               "decisions": decisions_digest()}, sort_keys=True)

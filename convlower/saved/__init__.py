@@ -84,6 +84,8 @@ def available() -> Optional[str]:
 
 def load(folder: str, model, inputs: tuple, context: dict) -> tuple[Optional[object], SavedCompile]:
     """The saved function for ``model`` on ``inputs`` in ``context``, if one fits."""
+    if any(getattr(getattr(x, "device", None), "type", "") == "cpu" for x in inputs):
+        ti.probe_vec_isa_ahead()  # loading CPU kernels asks for it: on another core meanwhile
     ident = _identity.identity(model, inputs, context)
     status = SavedCompile(state="not saved", path=_store.paths(folder, _identity.slot(ident))[1])
     start = time.perf_counter()
