@@ -115,18 +115,50 @@ def _wait(self, scope):
 @contextlib.contextmanager
 def built_at_end():
     """Kernels of every module loaded inside (a graph split into regions: one module per part)
-    are built together when the block ends, not module by module."""
+    are built together, not module by module: while the next parts compile, whatever is held
+    back is built as one library on another core (:class:`_Batch`, one at a time); what is
+    left when the block ends is built then."""
     if getattr(_deferred, "jobs", None) is not None:
         yield  # nested: the outermost block builds
         return
-    _deferred.jobs = []
+    _deferred.jobs, _deferred.batches = [], []
     try:
         yield
     except BaseException:
-        _deferred.jobs = None
+        _deferred.jobs = _deferred.batches = None
         raise
-    jobs, _deferred.jobs = _deferred.jobs, None
-    _finish([p for p in jobs if p.fn is None])
+    jobs, batches = _deferred.jobs, _deferred.batches
+    _deferred.jobs = _deferred.batches = None
+    _finish([p for b in batches for p in b.jobs] + jobs, batches)
+
+
+class _Batch:
+    """Held-back kernels built as one library in a background thread (g++ runs on another
+    core while this one compiles the next part); joined at the end of built_at_end()."""
+
+    def __init__(self, jobs: list):
+        self.jobs, self.fns = jobs, {}
+        self.thread = threading.Thread(target=self._run, name="convlower-kernel-build",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            self.fns, _ = _build(list({p.key: p for p in self.jobs}.values()), libraries=1)
+        except Exception:  # built at the end (or one by one) instead
+            log.debug("convlower: background kernel build failed", exc_info=True)
+
+
+def _stream() -> None:
+    """Inside built_at_end(): start building what is held back when no build is running."""
+    jobs, batches = _deferred.jobs, getattr(_deferred, "batches", None)
+    if batches is None or (batches and batches[-1].thread.is_alive()):
+        return
+    built = {k for b in batches for k in b.fns}
+    fresh = [p for p in jobs if p.key not in built]
+    if len({p.key for p in fresh}) >= MIN_KERNELS:
+        batches.append(_Batch(fresh))
+        jobs[:] = [p for p in jobs if p.key in built]  # assigned at the end from the batches
 
 
 @contextlib.contextmanager
@@ -140,16 +172,29 @@ def quiet():
         _deferred.jobs = jobs
 
 
-def _finish(jobs: list) -> None:
+def _finish(jobs: list, batches: list = ()) -> None:
+    fns, libraries, start = {}, 0, time.perf_counter()
     try:
-        start, unique = time.perf_counter(), list({p.key: p for p in jobs}.values())
-        fns, libraries = _build(unique) if unique else ({}, 0)
-        if _state["on_build"] is not None and unique:
-            _state["on_build"](len(unique), 0, libraries, time.perf_counter() - start)
+        building = {p.key for b in batches for p in b.jobs}
+        rest = list({p.key: p for p in jobs if p.key not in building}.values())
+        if rest:  # while a background build still runs: both cores busy
+            built, libraries = _build(rest)
+            fns.update(built)
+        for b in batches:
+            b.thread.join()
+            fns.update(b.fns)
+            libraries += bool(b.fns)
+        failed = list({p.key: p for p in jobs if p.key not in fns}.values())
+        if failed:  # a background build that failed: once more here
+            built, more = _build(failed)
+            fns.update(built)
+            libraries += more
+        count = len({p.key for p in jobs})
+        if _state["on_build"] is not None and count:  # seconds: what this thread waited
+            _state["on_build"](count, 0, libraries, time.perf_counter() - start)
     except Exception:
         log.warning("convlower: building kernels together failed; building them one by one",
                     exc_info=True)
-        fns = {}
     for p in jobs:
         p.fn = fns.get(p.key) or _original_binding(p.argtypes, p.source)
         p.scope[p.name] = p.fn
@@ -184,6 +229,7 @@ def _resolve(scope: dict, pending: dict) -> dict:
             p.scope = scope
         jobs += todo
         todo = []
+        _stream()
     built, libraries, start = 0, 0, time.perf_counter()
     if len(todo) >= MIN_KERNELS:
         fns, libraries = _build(todo)
@@ -219,12 +265,13 @@ def _from_index(keys: dict) -> dict:
     return out
 
 
-def _build(todo: list) -> tuple[dict, int]:
-    """Build the pending kernels ``todo`` in a few libraries: {kernel key: function}, and how
-    many libraries."""
+def _build(todo: list, libraries: Optional[int] = None) -> tuple[dict, int]:
+    """Build the pending kernels ``todo`` in a few libraries (``libraries``, or as many as
+    compile threads and their number make worth it): {kernel key: function}, and how many."""
     from torch._inductor.async_compile import AsyncCompile, get_compile_threads
 
-    count = max(1, min(get_compile_threads(), math.ceil(len(todo) / KERNELS_PER_LIBRARY)))
+    count = libraries or max(1, min(get_compile_threads(),
+                                    math.ceil(len(todo) / KERNELS_PER_LIBRARY)))
     chunks = [todo[i::count] for i in range(count)]
     sources = [_library_source([(p.argtypes, p.source) for p in c]) for c in chunks]
     submit = AsyncCompile.submit if count > 1 else None
