@@ -201,6 +201,13 @@ def probe_vec_isa_ahead() -> bool:
     return True
 
 
+def wait_for_probe_ahead() -> None:
+    """Until the probe started ahead has finished (nothing when none was started)."""
+    thread = _ahead_thread
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
+
+
 def _machine() -> str:
     """This machine as far as loading a CPU library goes."""
     import os

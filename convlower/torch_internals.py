@@ -328,7 +328,18 @@ def record_ops(run: Callable[[], object], packets: set) -> list:
 # A generated module's C++ kernels built as a few libraries (torch_kernel_batch.py).
 from .torch_kernel_batch import built_at_end as kernels_built_at_end  # noqa: E402,F401
 from .torch_kernel_batch import install as build_kernels_together  # noqa: E402,F401
-from .torch_kernel_batch import quiet as kernel_builds_quiet  # noqa: E402,F401
+from .torch_kernel_batch import quiet as _kernel_builds_quiet  # noqa: E402
+
+
+@contextlib.contextmanager
+def kernel_builds_quiet():
+    """Around a measurement: what it compiles is built when loaded, and no background work of
+    ours (a kernel build, the vector-ISA probe) runs beside the timing on another core."""
+    from .torch_caches import wait_for_probe_ahead
+
+    wait_for_probe_ahead()
+    with _kernel_builds_quiet():
+        yield
 
 # Whole compiled functions saved to disk (torch's AOT compile) live in torch_saved.py.
 from .torch_saved import (can_save_compiled, compile_saveable,  # noqa: E402,F401

@@ -164,7 +164,10 @@ def _stream() -> None:
 @contextlib.contextmanager
 def quiet():
     """A measurement inside built_at_end(): what it compiles is built when loaded, as outside
-    (it is called at once; held back it would only be built alone, then again at the end)."""
+    (it is called at once; held back it would only be built alone, then again at the end), and
+    a background build finishes first (a g++ beside the timing would slow what it times)."""
+    for batch in getattr(_deferred, "batches", None) or ():
+        batch.thread.join()
     jobs, _deferred.jobs = getattr(_deferred, "jobs", None), None
     try:
         yield

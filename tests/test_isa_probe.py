@@ -156,3 +156,11 @@ def test_dynamo_starts_the_probe_early_for_frames_bound_for_convlower_only(monke
     # no tensor input reaches the backend: only the start of Dynamo's trace can start it
     torch.compile(lambda: torch.ones(3) * 3, backend=convlower.convlower_backend)()
     assert started
+
+
+def test_a_measurement_waits_for_the_probe_ahead(ahead):
+    from convlower import torch_internals as ti
+
+    assert torch_caches.probe_vec_isa_ahead()
+    with ti.kernel_builds_quiet():  # e.g. the screen timing a candidate
+        assert not torch_caches._ahead_thread.is_alive(), "timed beside the probe's children"
