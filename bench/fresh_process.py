@@ -1,10 +1,12 @@
 """The benches' one harness for fresh-process compile timing.
 
 A cold compile is timed in a fresh process on an Inductor cache that holds nothing of any
-model.  It does hold what a machine keeps once it has run Inductor at all: the CPU vector-ISA
-probe (Inductor builds and runs a small library per ISA the first time it meets a cache
-folder, about 9 s on the 2-core bench machine, 1.4 s when the folder has them).  That cost
-is paid once per machine, by every backend alike, not once per model; counted in every cold
+model.  It does hold what a machine keeps once it has run Inductor and convlower at all: the
+CPU vector-ISA probe (Inductor builds a small library per ISA the first time it meets a cache
+folder, about 9 s on the 2-core bench machine) and convlower's record that those libraries
+load here (torch_caches.remember_vec_isa_probe).  Inductor still loads each library in a
+child Python in every process (1.4 s), convlower not once it has that record.  The build is
+paid once per machine, by every backend alike, not once per model; counted in every cold
 compile it hid a tenth to a third of the difference between the plans.  ``machine_seconds()``
 says what it cost, and the benches print it beside their tables.
 
@@ -22,7 +24,8 @@ import sys
 import tempfile
 import time
 
-_PROBE = "import torch._inductor.cpu_vec_isa as v; v.valid_vec_isa_list()"
+_PROBE = ("import convlower.backend.compiler; from convlower import torch_caches as t; "
+          "assert t.probe_vec_isa_ahead(); t.wait_for_probe_ahead()")
 _MACHINE: dict = {}
 
 
@@ -55,8 +58,9 @@ def new_cache(path: str | None = None) -> str:
 def machine_line() -> str:
     s = machine_seconds()
     return ("" if s is None else
-            f"cold = an empty Inductor cache on a machine that has run Inductor once (its "
-            f"vector-ISA probe, {s:.1f} s once per machine, is not in any cold figure)")
+            f"cold = an empty Inductor cache on a machine that has run Inductor and convlower "
+            f"once (the vector-ISA probe's libraries and convlower's record that they load "
+            f"here, {s:.1f} s once per machine, are not in any cold figure)")
 
 
 def run_worker(cmd: list[str], env: dict, timeout: float | None, marker: str = "") -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from typing import Callable, Optional
 
@@ -160,13 +161,31 @@ _ahead_lock = threading.Lock()
 _ahead_thread: Optional[threading.Thread] = None
 
 
+def _probed_stamp() -> Optional[str]:
+    folder = inductor_cache_dir()
+    return None if folder is None else os.path.join(folder, "convlower_kernels", "vec-isa-probed")
+
+
+def _probed_here() -> bool:
+    """Whether a probe ahead finished with this cache folder on this machine: every library
+    that loads is then marked, and what is left of the check is Python (no child to overlap)."""
+    path = _probed_stamp()
+    try:
+        with open(path) as f:
+            return f.read() == _machine()
+    except (OSError, TypeError):
+        return False
+
+
 def probe_vec_isa_ahead() -> bool:
     """Run Inductor's vector-ISA check (build and load a library per ISA) in a background
     thread, once per process: its compiler and loader children run on another core while this
     thread traces the graph.  Whoever asks for the ISA list meanwhile waits for that thread
     (two threads checking at once would share the ISA objects' temporary compiler flags).
-    Nothing starts where the ISA is configured (``cpp.vec_isa_ok``: no check runs) or this
-    Inductor has no such check.  True when started."""
+    Nothing starts where the ISA is configured (``cpp.vec_isa_ok``: no check runs), this
+    Inductor has no such check, or a probe ahead already ran with this cache on this machine
+    (the marked libraries need no child; a thread would only take the interpreter's lock from
+    a compile that may generate no kernel at all).  True when started."""
     global _ahead_thread
     try:
         from torch._inductor import config, cpu_vec_isa
@@ -177,13 +196,17 @@ def probe_vec_isa_ahead() -> bool:
             or config.cpp.vec_isa_ok is not None):
         return False
     with _ahead_lock:
-        if _ahead_thread is not None:
+        if _ahead_thread is not None or _probed_here():
             return False
 
         def run():
             _ahead.on = True
             try:
                 listed()  # cached per process: what pick_vec_isa reads
+                with contextlib.suppress(OSError, TypeError):
+                    os.makedirs(os.path.dirname(_probed_stamp()), exist_ok=True)
+                    with open(_probed_stamp(), "w") as f:
+                        f.write(_machine())
             except Exception as e:  # the first caller checks again, as it always did
                 log.debug("convlower: vector-ISA probe ahead failed: %r", e)
 

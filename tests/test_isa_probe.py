@@ -66,7 +66,7 @@ def test_outside_a_convlower_compile_inductor_probes_as_always(probe, tmp_path):
 
 # -- the probe started ahead (probe_vec_isa_ahead) --------------------------------------------
 @pytest.fixture
-def ahead(monkeypatch):
+def ahead(monkeypatch, tmp_path):
     """A stand-in ISA list (cached per process, as Inductor's) that takes a while and records
     its threads; the module's once-per-process state reset."""
     import functools
@@ -86,6 +86,7 @@ def ahead(monkeypatch):
     monkeypatch.setattr(vec_isa, "valid_vec_isa_list", listed)
     monkeypatch.setattr(torch_caches, "_ahead_thread", None)
     monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
+    monkeypatch.setattr(torch_caches, "_probed_stamp", lambda: str(tmp_path / "k" / "stamp"))
     return ran
 
 
@@ -94,6 +95,17 @@ def test_the_probe_ahead_runs_once_in_another_thread_and_askers_wait_for_it(ahea
     assert not torch_caches.probe_vec_isa_ahead(), "once per process"
     assert vec_isa.valid_vec_isa_list() == ["avx2"], "the asker gets the list the thread made"
     assert ahead == ["convlower-vec-isa-probe"], "checked once, not again by the asker"
+
+
+def test_a_finished_probe_ahead_is_stamped_and_not_started_again_on_this_machine(ahead, tmp_path,
+                                                                               monkeypatch):
+    assert torch_caches.probe_vec_isa_ahead()
+    torch_caches.wait_for_probe_ahead()
+    assert (tmp_path / "k" / "stamp").read_text() == torch_caches._machine()
+    monkeypatch.setattr(torch_caches, "_ahead_thread", None)  # as in the next process
+    assert not torch_caches.probe_vec_isa_ahead(), "the marked libraries need no child"
+    (tmp_path / "k" / "stamp").write_text("another host|x86_64|...")
+    assert torch_caches.probe_vec_isa_ahead(), "another machine's stamp is not trusted"
 
 
 def test_no_probe_ahead_where_the_isa_is_configured(ahead, monkeypatch):
