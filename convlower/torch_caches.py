@@ -170,11 +170,19 @@ def _probed_here() -> bool:
     """Whether a probe ahead finished with this cache folder on this machine: every library
     that loads is then marked, and what is left of the check is Python (no child to overlap)."""
     path = _probed_stamp()
+    if path in _stamped:
+        return True
     try:
         with open(path) as f:
-            return f.read() == _machine()
+            if f.read() == _machine():
+                _stamped.add(path)  # every later compile of this process asks again
+                return True
     except (OSError, TypeError):
-        return False
+        pass
+    return False
+
+
+_stamped: set = set()
 
 
 def probe_vec_isa_ahead() -> bool:

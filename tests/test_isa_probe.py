@@ -87,6 +87,7 @@ def ahead(monkeypatch, tmp_path):
     monkeypatch.setattr(torch_caches, "_ahead_thread", None)
     monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
     monkeypatch.setattr(torch_caches, "_probed_stamp", lambda: str(tmp_path / "k" / "stamp"))
+    monkeypatch.setattr(torch_caches, "_stamped", set())
     return ran
 
 
@@ -105,6 +106,7 @@ def test_a_finished_probe_ahead_is_stamped_and_not_started_again_on_this_machine
     monkeypatch.setattr(torch_caches, "_ahead_thread", None)  # as in the next process
     assert not torch_caches.probe_vec_isa_ahead(), "the marked libraries need no child"
     (tmp_path / "k" / "stamp").write_text("another host|x86_64|...")
+    monkeypatch.setattr(torch_caches, "_stamped", set())  # another process
     assert torch_caches.probe_vec_isa_ahead(), "another machine's stamp is not trusted"
 
 
