@@ -166,6 +166,9 @@ def _probed_stamp() -> Optional[str]:
     return None if folder is None else os.path.join(folder, "convlower_kernels", "vec-isa-probed")
 
 
+_stamped: set = set()   # stamps found for this machine (every compile asks again)
+
+
 def _probed_here() -> bool:
     """Whether a probe ahead finished with this cache folder on this machine: every library
     that loads is then marked, and what is left of the check is Python (no child to overlap)."""
@@ -175,14 +178,11 @@ def _probed_here() -> bool:
     try:
         with open(path) as f:
             if f.read() == _machine():
-                _stamped.add(path)  # every later compile of this process asks again
+                _stamped.add(path)
                 return True
     except (OSError, TypeError):
         pass
     return False
-
-
-_stamped: set = set()
 
 
 def probe_vec_isa_ahead() -> bool:
@@ -206,14 +206,15 @@ def probe_vec_isa_ahead() -> bool:
     with _ahead_lock:
         if _ahead_thread is not None or _probed_here():
             return False
+        stamp = _probed_stamp()
 
         def run():
             _ahead.on = True
             try:
                 listed()  # cached per process: what pick_vec_isa reads
                 with contextlib.suppress(OSError, TypeError):
-                    os.makedirs(os.path.dirname(_probed_stamp()), exist_ok=True)
-                    with open(_probed_stamp(), "w") as f:
+                    os.makedirs(os.path.dirname(stamp), exist_ok=True)
+                    with open(stamp, "w") as f:
                         f.write(_machine())
             except Exception as e:  # the first caller checks again, as it always did
                 log.debug("convlower: vector-ISA probe ahead failed: %r", e)
@@ -241,7 +242,6 @@ def wait_for_probe_ahead() -> None:
 
 def _machine() -> str:
     """This machine as far as loading a CPU library goes."""
-    import os
     import platform
     import socket
     import sys

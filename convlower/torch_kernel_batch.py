@@ -129,7 +129,8 @@ def built_at_end():
         raise
     jobs, batches = _deferred.jobs, _deferred.batches
     _deferred.jobs = _deferred.batches = None
-    _finish([p for b in batches for p in b.jobs] + jobs, batches)
+    held = [p for b in batches for p in b.jobs] + jobs
+    _finish([p for p in held if p.fn is None], batches)  # not those called (built) meanwhile
 
 
 class _Batch:
@@ -155,7 +156,7 @@ def _stream() -> None:
     if batches is None or (batches and batches[-1].thread.is_alive()):
         return
     built = {k for b in batches for k in b.fns}
-    fresh = [p for p in jobs if p.key not in built]
+    fresh = [p for p in jobs if p.key not in built and p.fn is None]  # not built alone since
     if len({p.key for p in fresh}) >= MIN_KERNELS:
         batches.append(_Batch(fresh))
         jobs[:] = [p for p in jobs if p.key in built]  # assigned at the end from the batches
