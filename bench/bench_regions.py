@@ -3,7 +3,8 @@
 For each model, each plan compiles in a fresh process with an empty Inductor cache (cold; the
 machine's once-only ISA probe pre-made, see fresh_process.py), then
 again in a second fresh process on that cache (warm load); a last process compiles every plan
-on its warm cache and times their steps interleaved with eager (ratios; this machine is shared),
+on its warm cache and times their steps interleaved with eager (ratios; this machine is shared; each sample
+~50 ms of calls),
 and checks each plan's output against eager (fp32, relative to the output's largest value).
 
 Plans: ``inductor`` (whole graph), ``convlower`` (whole graph), ``regions`` (convlower,
@@ -96,6 +97,15 @@ def _steady(fn, inputs, train, n=3) -> float:
     return min(ts)
 
 
+def _steady_mean(fn, inputs, train, calls: int) -> float:
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        _run(fn, inputs, train)
+    _sync()
+    return (time.perf_counter() - t0) / calls
+
+
 def child_compile(name, size, plan, train) -> dict:
     """One fresh process: the plan's compile seconds on whatever cache the env points at."""
     import torch
@@ -139,9 +149,11 @@ def child_steps(name, size, plans, train, rounds) -> dict:
             out = fns[plan](*inputs).float()
         errs[plan] = float((out - ref).abs().max() / ref.abs().max())
     times = {k: [] for k in fns}
+    # each sample at least ~50 ms: single steps of ~10 ms spread 10-20% on this shared machine
+    calls = max(1, round(0.05 / _steady(fns["eager"], inputs, train, 1)))
     for _ in range(rounds):
         for k, fn in fns.items():
-            times[k].append(_steady(fn, inputs, train, 1))
+            times[k].append(_steady_mean(fn, inputs, train, calls))
     return {"step_s": {k: statistics.median(v) for k, v in times.items()}, "err": errs}
 
 

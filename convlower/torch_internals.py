@@ -329,6 +329,7 @@ def record_ops(run: Callable[[], object], packets: set) -> list:
 from .torch_kernel_batch import built_at_end as kernels_built_at_end  # noqa: E402,F401
 from .torch_kernel_batch import install as build_kernels_together  # noqa: E402,F401
 from .torch_kernel_batch import quiet as _kernel_builds_quiet  # noqa: E402
+from .torch_kernel_batch import start_held_back as start_held_kernel_builds  # noqa: E402,F401
 
 
 @contextlib.contextmanager

@@ -93,6 +93,9 @@ class ConvLowerPass(ti.CustomGraphPass):
         finally:  # convlower's own share of the compile time (compile statistics)
             _stats.note_pass(self.graph_name, time.perf_counter() - start)
             _persist.note_pass(self.graph_name, recs)  # saved with the FX graph cache entry
+            # This graph measures nothing more: earlier parts' kernels (regions) may now
+            # build on another core while it lowers, without slowing a screen's timing.
+            ti.start_held_kernel_builds()
 
     def _run(self, graph: torch.fx.Graph) -> list[ConvRecord]:
         convs = [node for node in list(graph.nodes) if node.op == "call_function"
