@@ -123,7 +123,8 @@ def child_compile(name, size, plan, train) -> dict:
         import convlower
 
         regs = convlower.report().to_dict()["regions"]
-        out["parts"] = len(regs)
+        out["whole"] = sum(r["how"].startswith("compiled whole") for r in regs)
+        out["parts"] = len(regs) - out["whole"]
         out["compiled"] = sum(r["how"] == "compiled" for r in regs)
         out["reused"] = sum(r["how"] == "reused" for r in regs)
     return out
@@ -198,8 +199,10 @@ def table(name: str, res: dict) -> str:
             continue
         gain = eager - step if eager else 0.0
         breakeven = f"{cold / gain:.0f}" if gain > 0 else "never"
-        extra = (f" ({res[plan]['cold']['compiled']} compiled / {res[plan]['cold']['reused']} "
-                 f"reused of {res[plan]['cold']['parts']})" if plan == "regions" else "")
+        c = res[plan]["cold"]
+        extra = ("" if plan != "regions" else " (whole: too little repeats)" if c.get("whole")
+                 and not c["parts"] else f" ({c['compiled']} compiled / {c['reused']} reused of "
+                 f"{c['parts']})")
         warm = "–" if warm is None else f"{warm:.1f}"  # --no-warm
         rows.append(f"| {name} | {plan}{extra} | {cold:.1f} | {warm} | {step * 1e3:.1f} | "
                     f"{cold / ind_cold:.2f} | {step / ind:.3f} | {breakeven} | {err:.1e} |")

@@ -1,5 +1,6 @@
 """Regions (convlower/regions): each repeated block compiled once, called for every instance."""
 import collections
+import re
 
 import pytest
 import torch
@@ -59,6 +60,39 @@ def test_auto_compiles_a_repeated_block_once_and_leaves_a_unique_one_in_the_glue
     assert parts[("Block", "compiled")] == 1 and parts[("Block", "reused")] == 2, parts
     assert sum(n for (block, _), n in parts.items() if block == "Block") == 3  # not the wide one
     assert parts[("(glue)", "compiled")] >= 1
+
+
+class MostlyUnique(nn.Module):
+    """Two identical blocks beside a larger computation that does not repeat."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(2)])
+        self.unique = nn.ModuleList([nn.Linear(dim, dim) for _ in range(30)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        for i, lin in enumerate(self.unique):
+            x = torch.tanh(lin(x)) if i % 2 else torch.sigmoid(lin(x))
+        return x
+
+
+def test_auto_compiles_whole_a_graph_whose_repeats_are_a_small_share_of_it():
+    m, x = MostlyUnique().eval(), torch.randn(2, 5, 16)
+    assert regions.blocks.MIN_AUTO_NODES <= 10
+    with torch.no_grad():
+        out = _compile(m)(x)
+        torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+    recs = convlower.report().to_dict()["regions"]
+    assert [r["block"] for r in recs] == ["(whole graph)"], recs
+    share = re.search(r"compiled whole: repeated instances are (\d+)% of its nodes", recs[0]["how"])
+    assert share and 5 <= int(share.group(1)) < 100 * regions.MIN_AUTO_SHARED, recs  # 1 of 2+60
+    assert "compiled whole" in str(convlower.report())
+    convlower.reset_report()
+    with torch.no_grad():  # a list of classes is taken as given
+        torch.testing.assert_close(_compile(m, ["Block"])(x), m(x), rtol=1e-5, atol=1e-5)
+    assert _parts()[("Block", "reused")] == 1
 
 
 def test_same_class_with_other_shapes_never_shares_code():

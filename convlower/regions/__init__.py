@@ -20,7 +20,7 @@ import torch.fx
 
 from .. import torch_internals as ti
 from ..observe import records as _records
-from .blocks import Setting, assign
+from .blocks import Setting, assign, shared_share
 from .partition import Part, example_inputs, returns_tuple, split
 from .seams import channels_last_seams, channels_last_wanted
 from .signature import signature
@@ -33,6 +33,12 @@ class _Compiled:
     fn: Callable
     first: str          # the split graph and part that compiled it
 
+
+# "auto" splits a graph only where instances repeating an earlier one are this share of its
+# nodes or more.  Below it, the parts' compiles and seams cost more than the few shared
+# instances save: on the Wan VAE decode (3 of 13 parts shared) regions took 0.69-0.76x of
+# Inductor's cold compile, the whole graph 0.57-0.63x (docs/benchmarks.md).
+MIN_AUTO_SHARED = 0.3
 
 _lock = threading.Lock()
 _compiled: dict[str, _Compiled] = {}    # signature -> compiled function
@@ -95,8 +101,15 @@ def compile_regions(gm: torch.fx.GraphModule, setting: Setting, compile_graph: C
     owner = assign(gm, setting)
     if not any(owner.values()):
         return None
-    split_gm, parts = split(gm, owner)
     name = f"regions{next(_names)}"
+    share = shared_share(owner)
+    if setting == "auto" and share < MIN_AUTO_SHARED:
+        _records.record(_records.RegionRecord(
+            graph=name, part="", block="(whole graph)", signature="", nodes=len(owner),
+            how=f"compiled whole: repeated instances are {share:.0%} of its nodes (auto splits "
+                f"from {MIN_AUTO_SHARED:.0%})", compile_s=0.0))
+        return None
+    split_gm, parts = split(gm, owner)
     compiled = {p.name: split_gm.get_submodule(p.name) for p in parts
                 if not (p.region is None and p.only_views)}
     changed, converted = channels_last_seams(split_gm, compiled, channels_last_wanted(gm))

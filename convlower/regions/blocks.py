@@ -84,3 +84,18 @@ def _repeated_instances(nodes: list) -> set[str]:
         sig_of[key] = (cls_of[key], signature_of_nodes(group))
         by_sig[sig_of[key]] += 1
     return {k for k, s in sig_of.items() if by_sig[s] >= 2 and len(members[k]) >= MIN_AUTO_NODES}
+
+
+def shared_share(owner: dict) -> float:
+    """The share of the graph's compute nodes that lie in region instances repeating an earlier
+    instance's computation (signature_of_nodes): what compiling once per block saves."""
+    members: dict[str, list] = collections.defaultdict(list)
+    for node, key in owner.items():
+        if key is not None:
+            members[key].append(node)
+    seen, shared = set(), 0
+    for group in members.values():
+        sig = signature_of_nodes(group)
+        shared += len(group) if sig in seen else 0
+        seen.add(sig)
+    return shared / max(len(owner), 1)
