@@ -140,15 +140,15 @@ class _Batch:
     UNet, screens waited 6.7 s of a 43 s compile for builds to end."""
 
     def __init__(self, jobs: list):
-        self.jobs, self.fns, self.yields = jobs, {}, threading.Event()
-        self.thread = threading.Thread(target=self._run, name="convlower-kernel-build",
-                                       daemon=True)
+        self.jobs, self.fns, self.yields, ready = jobs, {}, False, threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(ready,),
+                                       name="convlower-kernel-build", daemon=True)
         self.thread.start()
-        self.yields.wait(1.0)
+        ready.wait()  # its priority is set (or cannot be) before anything is measured
 
-    def _run(self):
-        if _lowest_priority():
-            self.yields.set()
+    def _run(self, ready):
+        self.yields = _lowest_priority()
+        ready.set()
         try:
             self.fns, _ = _build(list({p.key: p for p in self.jobs}.values()), libraries=1)
         except Exception:  # built at the end (or one by one) instead
@@ -187,7 +187,7 @@ def quiet():
     a background build that could not give way (``_lowest_priority``) finishes first: a g++
     beside the timing would slow what it times."""
     for batch in getattr(_deferred, "batches", None) or ():
-        if not batch.yields.is_set():
+        if not batch.yields:
             batch.thread.join()
     jobs, _deferred.jobs = getattr(_deferred, "jobs", None), None
     try:
