@@ -254,4 +254,24 @@ def test_screen_times_its_figures_in_interleaved_rounds(monkeypatch):
     assert calls == list("abc") + rounds
     calls.clear()
     screen._time_interleaved(fns, budget_s=0.0)
-    assert calls == list("abc") * 2  # warm-up, then one round
+    assert calls == list("abc"), "the warm-up took the budget: its calls are the figures"
+
+
+def test_a_screen_of_slow_calls_times_their_first_calls_only():
+    """Calls that spend the budget in their warm-up are not run again (bf16 convs on a CPU
+    without bf16 instructions: 50-900 ms a call); faster ones get the rounds."""
+    import time
+
+    calls = []
+
+    def slow(k):
+        def run():
+            calls.append(k)
+            time.sleep(0.03)
+        return run
+
+    times = screen._time_interleaved({k: slow(k) for k in "ab"}, budget_s=0.05)
+    assert calls == ["a", "b"] and all(t >= 0.03 for t in times.values())
+    calls.clear()
+    screen._time_interleaved({k: slow(k) for k in "ab"}, budget_s=1.0)
+    assert len(calls) > 2, "under the budget: warm-up, then timed rounds"
