@@ -181,6 +181,12 @@ def measure(name, size, train, rounds) -> dict:
     return res
 
 
+def _regions_label(cold: dict) -> str:
+    if cold.get("whole") and not cold.get("parts"):
+        return " (whole: too little repeats)"  # regions.MIN_AUTO_SHARED
+    return f" ({cold['compiled']} compiled / {cold['reused']} reused of {cold['parts']})"
+
+
 def table(name: str, res: dict) -> str:
     steps = res["steps"].get("step_s", {})
     eager, ind = steps.get("eager"), steps.get("inductor")
@@ -199,10 +205,7 @@ def table(name: str, res: dict) -> str:
             continue
         gain = eager - step if eager else 0.0
         breakeven = f"{cold / gain:.0f}" if gain > 0 else "never"
-        c = res[plan]["cold"]
-        extra = ("" if plan != "regions" else " (whole: too little repeats)" if c.get("whole")
-                 and not c["parts"] else f" ({c['compiled']} compiled / {c['reused']} reused of "
-                 f"{c['parts']})")
+        extra = _regions_label(res[plan]["cold"]) if plan == "regions" else ""
         warm = "–" if warm is None else f"{warm:.1f}"  # --no-warm
         rows.append(f"| {name} | {plan}{extra} | {cold:.1f} | {warm} | {step * 1e3:.1f} | "
                     f"{cold / ind_cold:.2f} | {step / ind:.3f} | {breakeven} | {err:.1e} |")
