@@ -102,8 +102,8 @@ def compile_regions(gm: torch.fx.GraphModule, setting: Setting, compile_graph: C
     if not any(owner.values()):
         return None
     name = f"regions{next(_names)}"
-    share = shared_share(owner)
-    if setting == "auto" and share < MIN_AUTO_SHARED:
+    share = shared_share(owner) if setting == "auto" else 1.0  # a class list is taken as given
+    if share < MIN_AUTO_SHARED:
         _records.record(_records.RegionRecord(
             graph=name, part="", block="(whole graph)", signature="", nodes=len(owner),
             how=f"compiled whole: repeated instances are {share:.0%} of its nodes (auto splits "
