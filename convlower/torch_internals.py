@@ -307,22 +307,9 @@ from .torch_caches import (cached_graph_guards, caches_disabled,  # noqa: E402,F
                            remember_vec_isa_probe)
 
 
-def record_ops(run: Callable[[], object], packets: set) -> list:
-    """``run()`` once; the ``(op, args, kwargs)`` of each aten op in ``packets`` it called,
-    with the real arguments it got (the screen replays them)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    calls = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket in packets:
-                calls.append((func, args, kwargs or {}))
-            return func(*args, **(kwargs or {}))
-
-    with Record():
-        run()
-    return calls
+# Dispatcher-level helpers (recording ops, autograd inside a custom op): torch_dispatch.py.
+from .torch_dispatch import (autograd_inside_custom_op, output_strides,  # noqa: E402,F401
+                             record_ops)
 
 
 # A generated module's C++ kernels built as a few libraries (torch_kernel_batch.py).

@@ -7,7 +7,7 @@
   ``convlower/torch_internals.py`` and the parts it re-exports, its version fallbacks
   ``convlower/torch_versions.py``, Inductor's caches ``convlower/torch_caches.py`` and saved
   compiled functions ``convlower/torch_saved.py`` and kernel builds
-  ``convlower/torch_kernel_batch.py``, which only ``torch_internals`` imports (the package does not know which torch it runs on);
+  ``convlower/torch_kernel_batch.py`` and dispatcher helpers ``convlower/torch_dispatch.py``, which only ``torch_internals`` imports (the package does not know which torch it runs on);
 * no module over 350 lines, no function over 60.
 
 Each check is a function of a ``{module name: source}`` map, so the tests at the bottom can
@@ -31,7 +31,7 @@ MAX_FUNCTION_LINES = 60
 # Layer of each top-level part of the package; a module may import its own layer or lower.
 RANKS = {
     "version": 0, "torch_internals": 0, "torch_versions": 0, "torch_caches": 0,  # leaves
-    "torch_saved": 0, "torch_kernel_batch": 0, "kernel_library": 0,
+    "torch_saved": 0, "torch_kernel_batch": 0, "torch_dispatch": 0, "kernel_library": 0,
     "device": 0, "private_files": 0,
     "observe": 1,  # records, report, stats: a leaf group (over torch_internals)
     "lowerings": 2, "regions": 2,  # regions: a room of its own, the backend hands it a compiler
@@ -48,7 +48,7 @@ FACE = ROOT_PKG  # convlower/__init__.py re-exports from anywhere
 INTERNALS = f"{ROOT_PKG}.torch_internals"
 VERSIONS = f"{ROOT_PKG}.torch_versions"
 PARTS = (VERSIONS, f"{ROOT_PKG}.torch_caches", f"{ROOT_PKG}.torch_saved",
-         f"{ROOT_PKG}.torch_kernel_batch")
+         f"{ROOT_PKG}.torch_kernel_batch", f"{ROOT_PKG}.torch_dispatch")
 # Private-looking torch names that are public API in practice.
 ALLOWED_PRIVATE = {
     "torch._dynamo.mark_dynamic",  # documented way to mark a dimension dynamic

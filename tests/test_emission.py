@@ -41,20 +41,22 @@ def test_pad_fold_on_a_hand_built_graph():
         assert fold_pad(_conv_node(fn, x, w)) is None
 
 
-def test_the_function_timed_is_the_function_spliced(cache, monkeypatch):
+@pytest.mark.parametrize("winner", ["time_sum_conv2d", "time_sum_conv2d:opaque"])
+def test_the_function_timed_is_the_function_spliced(cache, monkeypatch, winner):
     """Selection and the pass both call emission.build; traced on the site's inputs the two
-    functions give the same graph, leftover pad included (the timed copy once lacked it)."""
+    functions give the same graph, leftover pad included (the timed copy once lacked it), in
+    either form of the rule (traced, or opaque: one custom op)."""
     built = []
     real_build = emission.build
 
-    def spy(site, rule, compute_dtype=None):
-        fn = real_build(site, rule, compute_dtype)
-        built.append((site, rule, fn))
+    def spy(site, rule, compute_dtype=None, opaque=False):
+        fn = real_build(site, rule, compute_dtype, opaque)
+        built.append((site, rule, opaque, fn))
         return fn
 
     monkeypatch.setattr(emission, "build", spy)
     monkeypatch.setattr(selection.measure, "MIN_CONV_S", 0.0)
-    selection.set_timer(lambda label, fn, budget: 1.0 if label == "aten" else 0.5)
+    selection.set_timer(lambda label, fn, budget: {"aten": 1.0, winner: 0.5}.get(label, 0.8))
     conv = torch.nn.Conv3d(2, 3, 3)
     model = lambda v: conv(F.pad(v, (1, 1, 1, 1, 2, 0))).relu()
     f = torch.compile(model, backend="convlower",
@@ -63,12 +65,15 @@ def test_the_function_timed_is_the_function_spliced(cache, monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(f(x), model(x), rtol=1e-5, atol=1e-5)
     (entry,) = convlower.report().convolutions
-    assert entry.rule == "time_sum_conv2d" and entry.how == "measurement"
-    ruled = [(site, fn) for site, rule, fn in built if rule is RULES["time_sum_conv2d"]]
+    opaque = winner.endswith(":opaque")
+    assert (entry.rule, entry.opaque, entry.how) == ("time_sum_conv2d", opaque, "measurement")
+    ruled = [(site, fn) for site, rule, form, fn in built
+             if rule is RULES["time_sum_conv2d"] and form == opaque]
     assert len(ruled) == 2  # once timed, once spliced
     codes = [ti.trace_aten(fn, list(site.inputs)).code for site, fn in ruled]
     assert codes[0] == codes[1]
     assert "constant_pad_nd" in codes[0]  # the leftover time pad is part of what was timed
+    assert ("lowered_conv" in codes[0]) == opaque
 
 
 @pytest.mark.parametrize("op,args", [

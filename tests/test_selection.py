@@ -27,6 +27,11 @@ from convlower.selection import cache as decision_cache
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def forms(names) -> list[str]:
+    """Each traced rule is measured in both its forms: traced, and opaque (one custom op)."""
+    return [label for n in names for label in (n, n + ":opaque")]
+
+
 def stub(times: dict, default: float = 2.0, calls: list | None = None):
     """A timer that reports ``times[label]`` (``default`` otherwise) without running anything."""
 
@@ -67,8 +72,9 @@ def test_measure_keeps_original_when_every_rule_is_slower(cache):
     selection.set_timer(stub({"aten": 1.0}, default=1.5, calls=calls))
     rule, why, timings = measured(conv_call(), CANDIDATES)
     assert rule is None and "kept the original" in why
-    assert sorted(calls) == sorted(["aten", *(r.name for r in CANDIDATES)] * measure.ROUNDS)
-    assert timings == {"aten": 1.0, "patchify_mm": 1.5, "time_fold_conv2d": 1.5, "time_sum_conv2d": 1.5}
+    names = forms(r.name for r in CANDIDATES)
+    assert sorted(calls) == sorted(["aten", *names] * measure.ROUNDS)
+    assert timings == {"aten": 1.0, **{n: 1.5 for n in names}}
 
 
 def test_measure_picks_fastest_rule_only_beyond_margin(cache):
@@ -97,7 +103,8 @@ def test_measure_timer_runs_real_benchmarks(cache):
         [torch.randn(2, 4, 5, 6, 6).to(memory_format=torch.channels_last_3d),
          torch.randn(8, 4, 2, 2, 2), None, (2, 2, 2), (0, 0, 0), (1, 1, 1), False, (0, 0, 0), 1])
     measured(call, CANDIDATES)
-    one_round = [("aten", (2, 8, 2, 3, 3))] + [(r.name, (2, 8, 2, 3, 3)) for r in CANDIDATES]
+    one_round = [("aten", (2, 8, 2, 3, 3))] + [(n, (2, 8, 2, 3, 3))
+                                               for n in forms(r.name for r in CANDIDATES)]
     assert ran == one_round * measure.ROUNDS  # interleaved rounds
     ran.clear()
     measured(call, CANDIDATES, phase="backward", output_mask=[True, True, False])
@@ -134,8 +141,8 @@ def test_measured_candidates_are_inductor_compiled_graphs_of_the_same_value(cach
             compiled_at_first_timing.clear()
             fns_seen.clear()
             measured(call, CANDIDATES, phase=phase, output_mask=mask)
-            assert compiled_at_first_timing == [True] * (1 + len(CANDIDATES))
-            assert set(outs) == {"aten", *(r.name for r in CANDIDATES)}
+            assert compiled_at_first_timing == [True] * (1 + 2 * len(CANDIDATES))
+            assert set(outs) == {"aten", *forms(r.name for r in CANDIDATES)}
             for name, out in outs.items():
                 torch.testing.assert_close(out, outs["aten"], rtol=1e-4, atol=1e-4, msg=name)
 
@@ -157,13 +164,13 @@ def test_a_tiny_conv_keeps_the_original_without_compiling(cache, monkeypatch):
 
 
 def test_a_rule_must_win_every_round(cache):
-    rounds = iter(range(1000))
+    rounds = []
 
-    def timer(label, fn, budget_s):  # the rule wins clearly, except in the last round
-        i = next(rounds) // 2
+    def timer(label, fn, budget_s):  # the rule (either form) wins clearly, except in the last round
         if label == "aten":
+            rounds.append(1)
             return 1.0
-        return 0.5 if i < measure.ROUNDS - 1 else 1.0
+        return 0.5 if len(rounds) < measure.ROUNDS else 1.0
 
     selection.set_timer(timer)
     rule, why, timings = measured(conv_call(), [RULES["time_fold_conv2d"]])
@@ -295,7 +302,8 @@ def test_compiled_measure_records_timings_and_keeps_slow_rules_out(cache):
     code, (entry,) = _compile_once({"rules": ["time_fold_conv2d", "time_sum_conv2d"],
                                     "select": "exhaustive"})
     assert entry["rule"] is None and "kept the original" in entry["reason"]
-    assert entry["timings"] == {"aten": 1.0, "time_fold_conv2d": 3.0, "time_sum_conv2d": 3.0}
+    assert entry["timings"] == {"aten": 1.0, **{n: 3.0 for n in forms(["time_fold_conv2d",
+                                                                       "time_sum_conv2d"])}}
     assert entry["how"] == "measurement" and entry["decision_s"] > 0
     assert "stride=(2, 1, 1)" in code  # the conv3d is still there
 
@@ -343,8 +351,8 @@ def test_rules_sharing_an_emission_are_timed_once(cache):
     calls = []
     selection.set_timer(stub({"aten": 1.0, "time_fold_conv2d": 0.5}, calls=calls))
     rule, _, timings = measured(conv_call(), [RULES["time_fold_conv2d"], RULES["time_unfold_conv2d"]])
-    assert rule is RULES["time_fold_conv2d"] and set(timings) == {"aten", "time_fold_conv2d"}
-    assert sorted(set(calls)) == ["aten", "time_fold_conv2d"]
+    assert rule is RULES["time_fold_conv2d"] and set(timings) == {"aten", *forms(["time_fold_conv2d"])}
+    assert sorted(set(calls)) == ["aten", *forms(["time_fold_conv2d"])]
 
 
 @pytest.mark.parametrize("bad", [0.0, -1e-3, float("nan"), float("inf"), "fast"])

@@ -155,7 +155,7 @@ class ConvLowerPass(ti.CustomGraphPass):
     def _apply(self, graph, node, site: ConvSite, decision: Decision, verdicts, shape_env,
                n_guards: int, rec: ConvRecord) -> None:
         rule = decision.rule
-        fn = emission.build(site, rule, self.options.compute_dtype)
+        fn = emission.build(site, rule, self.options.compute_dtype, opaque=decision.opaque)
         # The emission's own 0/1 and contiguity checks take their general answer: the guards a
         # lowered conv adds are its proof's unprovable facts, not artefacts of tracing views.
         with ti.size_oblivious():
@@ -168,5 +168,5 @@ class ConvLowerPass(ti.CustomGraphPass):
         # too: record every one, so the report hides no recompile cause.
         new = ti.guards_since(shape_env, n_guards)
         rec.guards += [f"emission: {g}" for g in new[:len(new) - len(verdict.guards)]]
-        rec.rule = rule.name
+        rec.rule, rec.opaque = rule.name, decision.opaque
         rec.verdicts = [verdict.to_dict() if v["rule"] == rule.name else v for v in rec.verdicts]

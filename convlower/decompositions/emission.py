@@ -26,21 +26,29 @@ from ..lowerings.proof import hint_holds
 from ..lowerings.rule import Rule, sym
 from ..lowerings.site import ConvSite
 from . import convolution as conv_decomp
+from . import opaque_form
 
 aten = torch.ops.aten
 DTYPES = {None: None, "bfloat16": torch.bfloat16}
 
 
-def build(site: ConvSite, rule: Optional[Rule], compute_dtype: Optional[str] = None) -> Callable:
+def build(site: ConvSite, rule: Optional[Rule], compute_dtype: Optional[str] = None,
+          opaque: bool = False) -> Callable:
     """The function of ``site.inputs`` that computes the site's value(s) through ``rule``
-    (None: the original computation)."""
+    (None: the original computation); with ``opaque``, in the rule's opaque form (one custom
+    op running the same decomposition: :mod:`.opaque_form`)."""
     if rule is None:
         return _original(site)
+    if opaque and not opaque_form.has_opaque_form(rule):
+        raise ValueError(f"{rule.name} has no opaque form (it is not a traced lowering)")
     dtype = DTYPES[compute_dtype]
     if site.backward:
-        fn = conv_decomp.convolution_backward(rule, site.call, site.output_mask, dtype)
+        fn = (opaque_form.backward(rule, site.call, site.output_mask, compute_dtype,
+                                   site.layout_opt) if opaque
+              else conv_decomp.convolution_backward(rule, site.call, site.output_mask, dtype))
     else:
-        fn = _forward(site, conv_decomp.convolution(rule, site.call, dtype))
+        fn = _forward(site, opaque_form.forward(rule, site.call, compute_dtype, site.layout_opt)
+                      if opaque else conv_decomp.convolution(rule, site.call, dtype))
     # Copies of a graph input (backward: the saved activation) cannot fuse into a producer.
     fixed_input = site.backward or not site.input_produced
     return with_layout_of(_copies(fn, fixed_input), site.output,

@@ -98,6 +98,7 @@ def opaque_ops() -> set:
 
 
 class ChannelsLastConv(Rule):
+    traced = False  # one custom op, copies inside
     name = "channels_last_conv"
     summary = "a 3-D conv run channels-last (NDHWC) inside an opaque op, eager's layout out"
     eager_numerics = True

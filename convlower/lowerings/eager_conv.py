@@ -93,6 +93,7 @@ class EagerConv(Rule):
     lowers = False
     follows_compute_dtype = False  # the original, in the model's own dtype
     eager_numerics = True
+    traced = False  # one custom op
 
     def conditions(self, c: ConvCall) -> list[Condition]:
         return common_conditions(c)

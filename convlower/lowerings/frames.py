@@ -14,10 +14,37 @@ after which every slice end and reshape is syntactically exact.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Optional
+
 import torch
 
 from .dense import stack
 from .rule import ConvCall, sym
+
+
+# The memory format a rule's 2-D convs run in when it is run eagerly (None: as they come).
+_CONV2D_FORMAT: contextvars.ContextVar = contextvars.ContextVar("conv2d_format", default=None)
+
+
+@contextlib.contextmanager
+def conv2d_in(fmt: Optional[torch.memory_format]):
+    """Within, :func:`conv2d` runs in ``fmt``: as Inductor's layout optimisation (CPU, mkldnn)
+    runs every 2-D conv of a graph channels-last, so that an eager run (the screen's, the
+    opaque form's) runs what the compiled code would.  A traced emission is unchanged."""
+    token = _CONV2D_FORMAT.set(fmt)
+    try:
+        yield
+    finally:
+        _CONV2D_FORMAT.reset(token)
+
+
+def conv2d(x, weight, bias, stride, padding, dilation, groups) -> torch.Tensor:
+    fmt = _CONV2D_FORMAT.get()
+    if fmt is not None:
+        x, weight = x.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt)
+    return torch.conv2d(x, weight, bias, stride, padding, dilation, groups)
 
 
 class _PadTo(torch.autograd.Function):
@@ -88,6 +115,6 @@ def conv2d_over_time(c: ConvCall, x: torch.Tensor, weight: torch.Tensor, bias) -
     taps = time_taps(c, x)
     n, t_out = taps[0].shape[0], taps[0].shape[2]
     w2 = weight.reshape(weight.shape[0], weight.shape[1] * len(taps), *weight.shape[3:])
-    y = torch.conv2d(taps_to_batch(taps), w2, bias, c.stride[1:], c.padding[1:], c.dilation[1:],
-                     c.groups)
+    y = conv2d(taps_to_batch(taps), w2, bias, c.stride[1:], c.padding[1:], c.dilation[1:],
+               c.groups)
     return batch_to_frames(y, n, t_out)

@@ -114,6 +114,9 @@ class Rule:
     # Computes with the original conv's own ATen kernels (as an opaque call, in another memory
     # format): it inherits eager's numerics, errors of torch's reduced-precision CPU convs too.
     eager_numerics: bool = False
+    # Its emission is traced into the graph (False: it is one custom op already, its own
+    # opaque form; decompositions/opaque_form.py).
+    traced: bool = True
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)

@@ -20,7 +20,7 @@ import torch
 
 from .rule import Condition, ConvCall, Rule, common_conditions
 from .dense import dense
-from .frames import batch_to_frames, time_taps
+from .frames import batch_to_frames, conv2d, time_taps
 
 
 class TimeSumConv2d(Rule):
@@ -37,8 +37,8 @@ class TimeSumConv2d(Rule):
         acc = None
         for i, tap in enumerate(taps):
             frames = dense(tap.permute(0, 2, 1, 3, 4)).view(n * t_out, ch, h, w)
-            y = torch.conv2d(frames, weight[:, :, i], None, c.stride[1:], c.padding[1:],
-                             c.dilation[1:], c.groups)
+            y = conv2d(frames, weight[:, :, i], None, c.stride[1:], c.padding[1:],
+                       c.dilation[1:], c.groups)
             # Back to (N, O, T_out, H', W') per tap, on the conv2d's own output: viewing the
             # summed buffer instead made Inductor fail on dynamic sizes ("Invalid ranges").
             y = batch_to_frames(y, n, t_out).to(acc_dtype)

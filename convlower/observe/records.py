@@ -43,6 +43,7 @@ class ConvRecord(_Record):
     node: str
     call: dict                      # ConvCall.describe(): sizes as strings (SymInts too)
     rule: Optional[str] = None      # the rule that lowered it, or None (original kept)
+    opaque: bool = False            # in the rule's opaque form (one custom op, no kernels)
     reason: str = ""                # why this rule, or why none
     how: str = ""                   # how the decision was made (see selection.HOW)
     decision_s: float = 0.0         # seconds the decision cost (measuring, screening)

@@ -65,7 +65,7 @@ def _wrap_phrases(text: str, width: int = WIDTH) -> str:
 
 def _decided(c) -> str:
     """The rule or why none, with how the decision was made and what deciding cost."""
-    what = c.rule or c.reason
+    what = (f"{c.rule} (opaque form)" if c.rule and c.opaque else c.rule) or c.reason
     if not c.how:
         return what
     cost = f", {c.decision_s:.2f} s" if c.decision_s >= 0.005 else ""

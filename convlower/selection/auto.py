@@ -17,11 +17,12 @@ import time
 from typing import Optional, Sequence
 
 from .. import torch_internals as ti
+from ..decompositions.opaque_form import has_opaque_form
 from ..lowerings.rule import Rule
 from ..lowerings.site import ConvSite
 from . import close_calls, measure, screen, seeds
 from .cache import CACHE, decision_key
-from .decision import Decision
+from .decision import Decision, label, opaque_of
 
 SCREEN_METHOD = "eager-screen/v1"
 
@@ -44,6 +45,13 @@ def decide(site: ConvSite, candidates: Sequence[Rule], compute_dtype: Optional[s
         return Decision(None, f"screen failed, kept the original: {type(e).__name__}: {e}",
                         "screen", time.perf_counter() - start)
     rule, why, close = judge(times, by_name)
+    opaque = opaque_suffices(times, rule)
+    if opaque:
+        fused = screen.predicted(times, rule.name) / times[rule.name]
+        why += (f"; in its opaque form (its kernels alone {fused:.2f}x its eager run: "
+                f"compiled, fusion can gain no clear win)")
+        if fused < 1.0 - measure.MARGIN:  # it may gain the margin: a warm-up measures it
+            close = close | {rule.name}
     spent = time.perf_counter() - start
     if close and measure_close:
         d = measure.decide(site, [r for r in candidates if r.name in close], compute_dtype)
@@ -54,11 +62,23 @@ def decide(site: ConvSite, candidates: Sequence[Rule], compute_dtype: Optional[s
         why += ("; a close call: kept the original (select='measure' or a warm-up measures it)"
                 if rule is None else "; a warm-up measures them")
         close_calls.note_close(site, candidates, close, compute_dtype, times,
-                               rule.name if rule else None)
+                               label(rule.name if rule else None, opaque))
     CACHE.store(decision_key(site, candidates, compute_dtype, SCREEN_METHOD),
-                {"rule": rule.name if rule else None, "why": why, "timings": times,
-                 "close": sorted(close)})
-    return Decision(rule, f"screen: {why}", "screen", spent, times)
+                {"rule": rule.name if rule else None, "opaque": opaque, "why": why,
+                 "timings": times, "close": sorted(close)})
+    return Decision(rule, f"screen: {why}", "screen", spent, times, opaque=opaque)
+
+
+def opaque_suffices(times: dict, rule: Optional[Rule]) -> bool:
+    """A screened winner runs in its opaque form (one custom op: no kernels to generate)
+    unless compiling it is a clear win over that: its kernels alone (its copies as free as
+    fusion can make them) within ``screen.WIN`` of its whole eager run, which is what the
+    opaque form runs.  As for the original, a close call takes the choice that compiles
+    nothing, and a warm-up measures it.  A GEMM-bound emission (bf16 convs on a CPU without
+    bf16 instructions) gains little compiled and cost Wan DiT's patch conv a 2x cold compile."""
+    if not has_opaque_form(rule) or rule.name not in times:
+        return False
+    return screen.predicted(times, rule.name) > screen.WIN * times[rule.name]
 
 
 def _cached(site, candidates, compute_dtype, by_name, measure_close):
@@ -75,12 +95,15 @@ def _cached(site, candidates, compute_dtype, by_name, measure_close):
         if method == SCREEN_METHOD and hit.get("close"):
             if measure_close:
                 return None, dict(hit.get("timings", {}))  # "auto" screened it; measure it now
+        rule = by_name.get(hit.get("rule"))
+        if method == SCREEN_METHOD and hit.get("close"):
             close_calls.note_close(site, candidates, hit["close"], compute_dtype,
-                                   dict(hit.get("timings", {})), hit.get("rule"))
+                                   dict(hit.get("timings", {})),
+                                   label(hit.get("rule"), opaque_of(hit, rule)))
         why = hit.get("why", "")
         why = {SCREEN_METHOD: f"screen: {why}", seeds.SEED: f"seed: {why}"}.get(method, why)
-        return Decision(by_name.get(hit.get("rule")), f"{why} (cached)", "cache", 0.0,
-                        dict(hit.get("timings", {}))), None
+        return Decision(rule, f"{why} (cached)", "cache", 0.0, dict(hit.get("timings", {})),
+                        opaque=opaque_of(hit, rule)), None
     return None, None
 
 

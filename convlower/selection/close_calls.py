@@ -23,6 +23,7 @@ from ..lowerings.rule import Rule
 from ..lowerings.site import ConvSite
 from . import measure, screen
 from .cache import CACHE, decision_key
+from .decision import label
 
 
 @dataclasses.dataclass
@@ -34,7 +35,7 @@ class _Open:
     key: str                   # where auto looks for a measured decision
     compute_dtype: Optional[str]
     screen: dict               # the screen's seconds per candidate ("aten" = the original)
-    chosen: Optional[str] = None  # what the screen chose meanwhile (None: the original)
+    chosen: Optional[str] = None  # what the screen chose meanwhile, as a label (decision.label)
 
 
 @dataclasses.dataclass
@@ -42,7 +43,7 @@ class Settled:
     """One close call, measured: what it was, what the screen leaned to, what won compiled."""
 
     conv: str                  # the call, in words (sizes, stride, dtype, phase)
-    rule: Optional[str]        # the measured choice (None: the original stays)
+    rule: Optional[str]        # the measured choice, as a label (None: the original stays)
     changed: bool              # the choice differs from what the screen chose
     screen_ratio: Optional[float]    # best close candidate / original, as the screen predicts
     compiled_ratio: Optional[float]  # best candidate / original, compiled and timed
@@ -118,7 +119,7 @@ def _measure(call: _Open) -> Settled:
     t = decision.timings
     base = t.get("aten")
     best = min((n for n in t if n in {r.name for r in call.candidates}), key=t.get, default=None)
-    rule = decision.rule.name if decision.rule else None
+    rule = decision.label
     was, now = t.get(call.chosen or "aten"), t.get(rule or "aten")
     saved = max(was - now, 0.0) if was is not None and now is not None else 0.0
     return Settled(conv=_describe(call.site), rule=rule, changed=rule != call.chosen,
@@ -144,6 +145,8 @@ def settled_digest() -> str:
     key of every graph convlower compiles: a changed choice recompiles the graphs once).  A
     measurement that keeps the screen's choice changes no code, so it leaves the cached graphs
     warm."""
-    settled = sorted((k, v["rule"]) for k, v in CACHE.entries().items()
-                     if v.get("settled") and v.get("rule") != v.get("screen_rule"))
+    settled = sorted((k, label(v["rule"], v.get("opaque", False)))
+                     for k, v in CACHE.entries().items()
+                     if v.get("settled") and label(v["rule"], v.get("opaque", False))
+                     != v.get("screen_rule"))
     return hashlib.sha256(json.dumps(settled).encode()).hexdigest()[:16]

@@ -31,6 +31,7 @@ from .. import torch_internals as ti
 from ..decompositions import emission
 from ..lowerings.channels_last_conv import opaque_ops as channels_last_ops
 from ..lowerings.eager_conv import RULE as EAGER_CONV, inductor_format
+from ..lowerings.frames import conv2d_in
 from ..lowerings.rule import Rule
 from ..lowerings.site import ConvSite
 from . import timer as _timer
@@ -74,7 +75,10 @@ def eager_screen(site: ConvSite, candidates: Sequence[Rule],
     for rule in lowerings:
         if rule.emission not in seen:
             seen.add(rule.emission)
-            fns[rule.name] = _bound(emission.build(site, rule, compute_dtype), args)
+            # Its 2-D convs in the layout Inductor will run them in: the figure is also what
+            # the rule's opaque form runs (decompositions/opaque_form.py).
+            fns[rule.name] = _bound(emission.build(site, rule, compute_dtype), args,
+                                    torch.channels_last if site.layout_opt else None)
             fns[rule.name + KERNELS] = _kernels_only(fns[rule.name], site.layout_opt)
     fmt = inductor_format(site)
     if EAGER_CONV in candidates and fmt is not None:
@@ -86,9 +90,10 @@ def eager_screen(site: ConvSite, candidates: Sequence[Rule],
     return times
 
 
-def _bound(fn: Callable, args: list) -> Callable[[], object]:
+def _bound(fn: Callable, args: list, conv2d_format=None) -> Callable[[], object]:
     def run():
-        out = fn(*args)
+        with conv2d_in(conv2d_format):
+            out = fn(*args)
         _device.sync(args[0].device)
         return out
     return run

@@ -5,7 +5,8 @@ warm-up's settling) taken on known devices, keyed like the decision cache withou
 convlower's version: a seed outlives a release, and the key still names the device, torch's
 version, the call, the dtypes, the layout and the candidate rules.  ``auto`` reads a seed after
 the user's own measured decisions and before its own screens (:mod:`.auto`), so a close call
-on a known device is settled before any warm-up.  ``bench/make_seeds.py`` writes the file;
+on a known device is settled before any warm-up.  ``bench/bench_settle.py --write-seeds``
+writes the file;
 the device check does the same for a GPU when one is lent.
 """
 from __future__ import annotations
@@ -94,8 +95,9 @@ def export(entries: dict, method: str, path: str, source: str) -> int:
     for key, d in entries.items():
         if json.loads(key).get("method") != method or not isinstance(d, dict):
             continue
-        table[seed_key(key)] = {"rule": d.get("rule"), "why": d.get("why", ""),
-                                "timings": d.get("timings", {}), "source": source}
+        table[seed_key(key)] = {"rule": d.get("rule"), "opaque": bool(d.get("opaque")),
+                                "why": d.get("why", ""), "timings": d.get("timings", {}),
+                                "source": source}
         added += 1
     text = json.dumps({"format": _FORMAT, "decisions": table}, indent=1, sort_keys=True)
     write_atomic(path, text.encode("utf-8") + b"\n")

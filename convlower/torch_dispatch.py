@@ -1,0 +1,74 @@
+"""Dispatcher-level helpers (re-exported by :mod:`convlower.torch_internals`): recording the
+ops a function calls, and autograd inside a custom op's implementation."""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, Sequence
+
+import torch
+
+_C = torch._C
+# What a custom op's autograd wrapper excludes while its implementation runs.
+_AUTOGRAD_KEYS = tuple(getattr(_C.DispatchKey, k) for k in
+                       ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor",
+                        "ADInplaceOrView") if hasattr(_C.DispatchKey, k))
+
+
+def record_ops(run: Callable[[], object], packets: set) -> list:
+    """``run()`` once; the ``(op, args, kwargs)`` of each aten op in ``packets`` it called,
+    with the real arguments it got (the screen replays them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in packets:
+                calls.append((func, args, kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        run()
+    return calls
+
+
+@contextlib.contextmanager
+def autograd_inside_custom_op():
+    """Autograd on inside a custom op's implementation: its wrapper runs it below autograd
+    (autograd's dispatch keys excluded), where ``torch.autograd.grad`` sees no graph.  The keys
+    are put back for the block, with grad mode on (``torch.func.vjp`` would do without, but
+    fails under any ``TorchDispatchMode``: profilers, FLOP counters)."""
+    exclude = _C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        if exclude.has(key):
+            exclude = exclude.remove(key)
+    with _C._ForceDispatchKeyGuard(_C._dispatch_tls_local_include_set(), exclude), \
+            torch.enable_grad():
+        yield
+
+
+def output_strides(op, args: Sequence) -> tuple:
+    """The strides of ``op(*args)``'s tensor outputs as its fake kernel gives them (what
+    Inductor plans around; device-aware, unlike the meta kernel: a CPU conv of a channels-last
+    input is channels-last), without running it.  Cached per sizes, strides, dtypes, devices."""
+    return _fake_strides(op, tuple(_signature(a) for a in args))
+
+
+def _signature(a):
+    if isinstance(a, torch.Tensor):
+        return ("tensor", tuple(a.shape), tuple(a.stride()), a.dtype, str(a.device))
+    return tuple(a) if isinstance(a, list) else a
+
+
+@functools.lru_cache(maxsize=1024)
+def _fake_strides(op, signature: tuple) -> tuple:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        args = [torch.empty_strided(s[1], s[2], dtype=s[3], device=s[4])
+                if isinstance(s, tuple) and s[:1] == ("tensor",) else
+                list(s) if isinstance(s, tuple) else s for s in signature]
+        out = op(*args)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return tuple(tuple(o.stride()) if o is not None else None for o in outs)
