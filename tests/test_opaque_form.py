@@ -193,3 +193,32 @@ def test_a_seed_keeps_the_form_it_was_measured_in(cache, tmp_path):
     finally:
         seeds.set_seed_file(prev)
     assert (d.how, d.label) == ("cache", "time_fold_conv2d:opaque") and "seed" in d.why
+
+
+@pytest.mark.parametrize("traced,deferred", [(0.50, True), (0.40, False)])
+def test_a_seeds_traced_choice_without_a_clear_win_waits_for_the_warm_up(cache, tmp_path,
+                                                                        traced, deferred):
+    """Kernels cost a cold compile seconds: a seed's traced choice within WIN (0.85x) of the
+    fastest opaque form measured with it runs that opaque form first; the warm-up then takes
+    the seed's choice without measuring, and the next compile runs it."""
+    from convlower.selection import close_calls, seeds
+
+    site = mochi_site()
+    key = decision_key(site, RULES3, None, measure.METHOD)
+    times = {"aten": 1.0, "time_fold_conv2d": traced, "time_fold_conv2d:opaque": 0.6,
+             "patchify_mm:opaque": 0.55}
+    table = tmp_path / "seeds.json"
+    seeds.export({key: {"rule": "time_fold_conv2d", "why": "measured", "timings": times}},
+                 measure.METHOD, str(table), "test")
+    selection.set_timer(lambda *a: pytest.fail("the warm-up measured a seeded call"))
+    prev = seeds.set_seed_file(str(table))
+    try:
+        first = auto.decide(site, RULES3, None, measure_close=False)
+        settled, left, _ = close_calls.settle()
+        after = auto.decide(site, RULES3, None, measure_close=False)
+    finally:
+        seeds.set_seed_file(prev)
+    assert first.label == ("patchify_mm:opaque" if deferred else "time_fold_conv2d")
+    assert [(s.rule, s.changed) for s in settled] == ([("time_fold_conv2d", True)]
+                                                       if deferred else [])
+    assert left == 0 and after.label == "time_fold_conv2d"

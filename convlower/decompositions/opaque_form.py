@@ -23,7 +23,7 @@ import torch
 
 from .. import torch_internals as ti
 from ..lowerings import RULES
-from ..lowerings.opaque_conv import exact_strides_tags
+from ..lowerings.opaque_conv import conv_params, exact_strides_tags
 from ..lowerings.frames import conv2d_in
 from ..lowerings.rule import ConvCall
 from .convolution import convolution, convolution_backward
@@ -48,7 +48,8 @@ def _call(x, weight, has_bias, stride, padding, dilation, transposed, output_pad
 
 
 def _in_strides(t: torch.Tensor, stride) -> torch.Tensor:
-    if t is None or stride is None or tuple(t.stride()) == tuple(stride) and t.numel():
+    """``t`` with ``stride`` (an empty tensor's strides are whatever its maker chose: copied)."""
+    if t is None or stride is None or (tuple(t.stride()) == tuple(stride) and t.numel()):
         return t
     return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
 
@@ -73,12 +74,6 @@ def _(x, weight, bias, rule, compute_dtype, channels_last, stride, padding, dila
                                     output_padding, groups)
 
 
-def _original_grads(grad_out, x, weight, has_bias, params, output_mask) -> list:
-    bias_sizes = [weight.shape[0]] if has_bias else None
-    return aten.convolution_backward.default(grad_out, x, weight, bias_sizes, *params,
-                                             list(output_mask))
-
-
 @torch.library.custom_op("convlower::lowered_conv_backward", mutates_args=(),
                          tags=exact_strides_tags())
 def _lowered_conv_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -89,8 +84,8 @@ def _lowered_conv_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torc
     """The wanted gradients only, in (input, weight, bias) order."""
     params = (stride, padding, dilation, transposed, output_padding, groups)
     call = _call(x, weight, has_bias, *params)
-    # The decomposition's backward is its autograd.
-    with ti.autograd_inside_custom_op(), conv2d_in(torch.channels_last if channels_last else None):
+    layout = torch.channels_last if channels_last else None
+    with ti.autograd_inside_custom_op(), conv2d_in(layout):  # the backward is its autograd
         grads = convolution_backward(RULES[rule], call, output_mask,
                                      _dtype(compute_dtype))(grad_out, x, weight)
     bias_sizes = [weight.shape[0]] if has_bias else None
@@ -102,8 +97,10 @@ def _lowered_conv_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torc
 @_lowered_conv_backward.register_fake
 def _(grad_out, x, weight, rule, compute_dtype, channels_last, has_bias, stride, padding,
       dilation, transposed, output_padding, groups, output_mask):
-    params = (stride, padding, dilation, transposed, output_padding, groups)
-    grads = _original_grads(grad_out, x, weight, has_bias, params, output_mask)
+    bias_sizes = [weight.shape[0]] if has_bias else None
+    grads = aten.convolution_backward.default(grad_out, x, weight, bias_sizes, stride, padding,
+                                              dilation, transposed, output_padding, groups,
+                                              list(output_mask))
     return [g for g, m in zip(grads, output_mask) if m]
 
 
@@ -128,18 +125,13 @@ def _autograd(ctx, grad):
 _lowered_conv.register_autograd(_autograd, setup_context=_setup)
 
 
-def _params(c: ConvCall) -> tuple:
-    return (list(c.stride), list(c.padding), list(c.dilation), c.transposed,
-            list(c.output_padding), c.groups)
-
-
 def forward(rule, c: ConvCall, compute_dtype: Optional[str], channels_last: bool = False):
     """``(x, weight, bias) -> out`` through ``convlower::lowered_conv``; with
     ``channels_last`` its 2-D convs run channels-last (as Inductor's layout optimisation runs
     them in the traced form)."""
     def fn(x, weight, bias=None):
         return torch.ops.convlower.lowered_conv(x, weight, bias, rule.name, compute_dtype or "",
-                                                channels_last, *_params(c))
+                                                channels_last, *conv_params(c))
     return fn
 
 
@@ -152,6 +144,6 @@ def backward(rule, c: ConvCall, output_mask: Sequence[bool], compute_dtype: Opti
     def fn(grad_out, x, weight):
         grads = iter(torch.ops.convlower.lowered_conv_backward(
             grad_out, x, weight, rule.name, compute_dtype or "", channels_last, c.has_bias,
-            *_params(c), mask))
+            *conv_params(c), mask))
         return tuple(next(grads) if m else None for m in mask)
     return fn

@@ -22,7 +22,7 @@ from ..lowerings.rule import Rule
 from ..lowerings.site import ConvSite
 from . import close_calls, measure, screen, seeds
 from .cache import CACHE, decision_key
-from .decision import Decision, label, opaque_of
+from .decision import OPAQUE, Decision, label, opaque_of
 
 SCREEN_METHOD = "eager-screen/v1"
 
@@ -96,6 +96,10 @@ def _cached(site, candidates, compute_dtype, by_name, measure_close):
             if measure_close:
                 return None, dict(hit.get("timings", {}))  # "auto" screened it; measure it now
         rule = by_name.get(hit.get("rule"))
+        if method == seeds.SEED and not measure_close:
+            deferred = _kernels_deferred(site, candidates, compute_dtype, hit, by_name)
+            if deferred is not None:
+                return deferred, None
         if method == SCREEN_METHOD and hit.get("close"):
             close_calls.note_close(site, candidates, hit["close"], compute_dtype,
                                    dict(hit.get("timings", {})),
@@ -105,6 +109,30 @@ def _cached(site, candidates, compute_dtype, by_name, measure_close):
         return Decision(rule, f"{why} (cached)", "cache", 0.0, dict(hit.get("timings", {})),
                         opaque=opaque_of(hit, rule)), None
     return None, None
+
+
+def _kernels_deferred(site, candidates, compute_dtype, hit: dict, by_name: dict):
+    """A seed's traced choice that is no clear win (``screen.WIN``) over the fastest opaque
+    form measured with it: the first compile runs that opaque form (no kernels to generate),
+    noted as a close call the warm-up settles from the seed (no measuring).  Kernels cost a
+    cold compile seconds: Wan DiT's bf16 patch conv compiled patchify_mm 0.88x its opaque
+    form, and its kernels doubled a 2 s compile."""
+    times = dict(hit.get("timings", {}))
+    chosen = label(hit.get("rule"), opaque_of(hit, by_name.get(hit.get("rule"))))
+    cheap = min((n for n in times if n.endswith(OPAQUE)), key=times.get, default=None)
+    if chosen is None or chosen.endswith(OPAQUE) or cheap is None or chosen not in times or \
+            cheap.removesuffix(OPAQUE) not in by_name or "aten" not in times:
+        return None
+    if times[chosen] <= screen.WIN * times[cheap] or \
+            times[cheap] > (1.0 - measure.MARGIN) * times["aten"]:
+        return None
+    rule = by_name[cheap.removesuffix(OPAQUE)]
+    close_calls.note_close(site, candidates, sorted({hit["rule"], rule.name}), compute_dtype,
+                           times, cheap)
+    why = (f"seed: {chosen} compiled takes {times[chosen] / times[cheap]:.2f}x {cheap} (no "
+           f"clear win: > {screen.WIN}x): the first compile generates no kernel for it; a "
+           f"warm-up compiles the seed's choice")
+    return Decision(rule, why, "cache", 0.0, times, opaque=True)
 
 
 def judge(times: dict, by_name: dict) -> tuple[Optional[Rule], str, set]:

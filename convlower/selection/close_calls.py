@@ -21,9 +21,9 @@ from typing import Callable, Optional, Sequence
 
 from ..lowerings.rule import Rule
 from ..lowerings.site import ConvSite
-from . import measure, screen
+from . import measure, screen, seeds
 from .cache import CACHE, decision_key
-from .decision import label
+from .decision import Decision, label, opaque_of
 
 
 @dataclasses.dataclass
@@ -112,7 +112,9 @@ def settle(budget_s: float = 120.0,
 
 
 def _measure(call: _Open) -> Settled:
-    decision = measure.decide(call.site, call.candidates, call.compute_dtype)
+    seeded = seeds.lookup(call.key)  # a first compile deferred a seed's choice: take it
+    decision = _from_seed(call, seeded) if seeded else measure.decide(
+        call.site, call.candidates, call.compute_dtype)
     measured = CACHE.lookup(call.key)  # measure stored it under the key auto reads
     if measured is not None and not measured.get("settled"):
         CACHE.store(call.key, dict(measured, settled=True, screen_rule=call.chosen))
@@ -126,6 +128,14 @@ def _measure(call: _Open) -> Settled:
                    screen_ratio=_screen_ratio(call), seconds=decision.seconds,
                    compiled_ratio=t[best] / base if best and base else None,
                    saved_s=saved, why=decision.why)
+
+
+def _from_seed(call: _Open, seeded: dict) -> Decision:
+    """The seed's measured decision, stored for ``auto`` as the user's own (nothing timed)."""
+    CACHE.store(call.key, dict(seeded))
+    rule = next((r for r in call.candidates if r.name == seeded.get("rule")), None)
+    return Decision(rule, f"seed: {seeded.get('why', '')}", "cache", 0.0,
+                    dict(seeded.get("timings", {})), opaque=opaque_of(seeded, rule))
 
 
 def _screen_ratio(call: _Open) -> Optional[float]:
