@@ -18,7 +18,7 @@ the rule when its eager figure beat the original's) against exhaustive's pick (g
 also the share where the screen's pick, by exhaustive's own compiled figures, is within the
 measurement's 5% margin of exhaustive's pick (equal forms tie: patchify_mm and time_fold_conv2d
 on a (1,2,2) patch conv).
-With ``--write-seeds`` the measured decisions (exhaustive's, and the warm-up's settled ones
+With ``--write-seeds`` the measured decisions (the warm-up's settled ones, and exhaustive's
 over them) go to the shipped seed table.  Cold compile
 seconds are not compared here (the process compiles the model several times and shares
 kernels between compiles): ``bench/bench_compile_cost.py`` measures them in fresh processes.
@@ -201,10 +201,11 @@ def run_fresh(model, dtype, size, train, always, budget, timeout) -> dict:
         if p.returncode != 0:
             return {"error": (p.stderr.strip().splitlines() or ["?"])[-1][:200]}
         out = json.loads(p.stdout.strip().splitlines()[-1])
-        # exhaustive's measured decisions (every eligible conv), then the warm-up's settled
-        # ones over them: a clear call the warm-up never measured gets a seed too
+        # the warm-up's settled decisions, then exhaustive's (every eligible conv, measured
+        # here) over them: a clear call gets a seed too, and a settled entry copied from an
+        # older seed (a deferred first compile) never outlives a new measurement
         out["entries"] = {}
-        for folder in (out.get("decisions"), decisions):
+        for folder in (decisions, out.get("decisions")):
             path = os.path.join(folder or "", "decisions.json")
             if folder and os.path.exists(path):
                 with open(path) as f:

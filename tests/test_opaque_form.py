@@ -222,3 +222,36 @@ def test_a_seeds_traced_choice_without_a_clear_win_waits_for_the_warm_up(cache, 
     assert [(s.rule, s.changed) for s in settled] == ([("time_fold_conv2d", True)]
                                                        if deferred else [])
     assert left == 0 and after.label == "time_fold_conv2d"
+
+
+def test_a_rule_failing_inside_its_opaque_form_falls_back_to_the_original(monkeypatch):
+    """The decomposition runs at step time, past the compile's fault containment: a failure
+    there runs the original convolution (warned once), not an exception in the user's step."""
+    from convlower.decompositions import opaque_form
+
+    def broken(*a):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(RULES["time_fold_conv2d"], "emit", broken)
+    monkeypatch.setattr(opaque_form, "_warned", set())
+    x, w, b = _inputs((2, 3, 4, 8, 8), (5, 3, 2, 2, 2))
+    g = torch.randn(2, 5, 2, 4, 4, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="boom"):
+        out = ops.lowered_conv(x, w, b, "time_fold_conv2d", "", False, *P3)
+        grads = ops.lowered_conv_backward(g, x, w, "time_fold_conv2d", "", False, True, *P3,
+                                          [True, True, True])
+    torch.testing.assert_close(out, torch.ops.aten.convolution(x, w, b, *P3))
+    want = torch.ops.aten.convolution_backward(g, x, w, [5], *P3, [True, True, True])
+    for a, r in zip(grads, want):
+        torch.testing.assert_close(a, r)
+
+
+def test_the_backward_runs_under_inference_mode():
+    with torch.inference_mode():
+        x, w, _ = _inputs((2, 3, 4, 8, 8), (5, 3, 2, 2, 2))
+        g = torch.randn(2, 5, 2, 4, 4, dtype=torch.float64)
+        got = ops.lowered_conv_backward(g, x, w, "time_sum_conv2d", "", False, False, *P3,
+                                        [True, True, False])
+        want = torch.ops.aten.convolution_backward(g, x, w, None, *P3, [True, True, False])[:2]
+    for a, r in zip(got, want):
+        torch.testing.assert_close(a, r)

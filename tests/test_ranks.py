@@ -85,6 +85,14 @@ def test_decode_is_the_same_on_every_rank():
                for v in (bad, "not json") for r in (0, 1))
 
 
+def test_the_form_of_a_shared_decision_travels_with_it():
+    """A rule's opaque form (one custom op) is part of the decision every rank takes."""
+    value = ranks.encode(Decision(FOLD, "screen", "screen", 0.1, {}, opaque=True), rank=0)
+    mine = Decision(FOLD, "traced here", "screen")
+    got = ranks.decode(value, mine, [FOLD, SUM], 2)
+    assert got.rule is FOLD and got.opaque and "own choice: time_fold_conv2d)" in got.why
+
+
 def test_site_identity_names_no_node_graph_or_device_index():
     a, b = _site(), _site()
     object.__setattr__(b, "node", "convolution_7")

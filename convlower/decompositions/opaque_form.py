@@ -17,6 +17,7 @@ around exactly what runs.  ``needs_exact_strides`` makes Inductor pass the trace
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -47,6 +48,17 @@ def _call(x, weight, has_bias, stride, padding, dilation, transposed, output_pad
                                output_padding, groups))
 
 
+_warned: set = set()
+
+
+def _fell_back(rule: str, e: Exception) -> None:
+    key = (rule, type(e).__name__)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"convlower: {rule} failed in its opaque form ({type(e).__name__}: {e}); "
+                      f"the original convolution ran instead", RuntimeWarning, stacklevel=2)
+
+
 def _in_strides(t: torch.Tensor, stride) -> torch.Tensor:
     """``t`` with ``stride`` (an empty tensor's strides are whatever its maker chose: copied)."""
     if t is None or stride is None or (tuple(t.stride()) == tuple(stride) and t.numel()):
@@ -60,9 +72,13 @@ def _lowered_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
                   padding: list[int], dilation: list[int], transposed: bool,
                   output_padding: list[int], groups: int) -> torch.Tensor:
     params = (stride, padding, dilation, transposed, output_padding, groups)
-    call = _call(x, weight, bias is not None, *params)
-    with conv2d_in(torch.channels_last if channels_last else None):
-        out = convolution(RULES[rule], call, _dtype(compute_dtype))(x, weight, bias)
+    try:
+        call = _call(x, weight, bias is not None, *params)
+        with conv2d_in(torch.channels_last if channels_last else None):
+            out = convolution(RULES[rule], call, _dtype(compute_dtype))(x, weight, bias)
+    except Exception as e:  # never break a step: the original computes the same value
+        _fell_back(rule, e)
+        out = aten.convolution.default(x, weight, bias, *params)
     return _in_strides(out, ti.output_strides(aten.convolution.default,
                                               (x, weight, bias, *params))[0])
 
@@ -83,12 +99,21 @@ def _lowered_conv_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torc
                            output_mask: list[bool]) -> list[torch.Tensor]:
     """The wanted gradients only, in (input, weight, bias) order."""
     params = (stride, padding, dilation, transposed, output_padding, groups)
-    call = _call(x, weight, has_bias, *params)
-    layout = torch.channels_last if channels_last else None
-    with ti.autograd_inside_custom_op(), conv2d_in(layout):  # the backward is its autograd
-        grads = convolution_backward(RULES[rule], call, output_mask,
-                                     _dtype(compute_dtype))(grad_out, x, weight)
     bias_sizes = [weight.shape[0]] if has_bias else None
+    original = lambda: aten.convolution_backward.default(  # noqa: E731
+        grad_out, x, weight, bias_sizes, *params, list(output_mask))
+    if torch.is_inference_mode_enabled() or any(t.is_inference() for t in (grad_out, x, weight)):
+        grads = original()  # autograd cannot record inference tensors
+    else:
+        try:
+            call = _call(x, weight, has_bias, *params)
+            layout = torch.channels_last if channels_last else None
+            with ti.autograd_inside_custom_op(), conv2d_in(layout):  # the backward: autograd
+                grads = convolution_backward(RULES[rule], call, output_mask,
+                                             _dtype(compute_dtype))(grad_out, x, weight)
+        except Exception as e:  # never break a step: the original computes the same values
+            _fell_back(rule, e)
+            grads = original()
     strides = ti.output_strides(aten.convolution_backward.default,
                                 (grad_out, x, weight, bias_sizes, *params, list(output_mask)))
     return [_in_strides(g, s) for g, s, m in zip(grads, strides, output_mask) if m]

@@ -24,7 +24,7 @@ from . import close_calls, measure, screen, seeds
 from .cache import CACHE, decision_key
 from .decision import OPAQUE, Decision, label, opaque_of
 
-SCREEN_METHOD = "eager-screen/v1"
+SCREEN_METHOD = "eager-screen/v2"  # v2: a rule's 2-D convs in Inductor's layout
 
 
 def decide(site: ConvSite, candidates: Sequence[Rule], compute_dtype: Optional[str],

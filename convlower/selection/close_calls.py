@@ -23,7 +23,7 @@ from ..lowerings.rule import Rule
 from ..lowerings.site import ConvSite
 from . import measure, screen, seeds
 from .cache import CACHE, decision_key
-from .decision import Decision, label, opaque_of
+from .decision import OPAQUE, Decision, label, opaque_of
 
 
 @dataclasses.dataclass
@@ -120,7 +120,8 @@ def _measure(call: _Open) -> Settled:
         CACHE.store(call.key, dict(measured, settled=True, screen_rule=call.chosen))
     t = decision.timings
     base = t.get("aten")
-    best = min((n for n in t if n in {r.name for r in call.candidates}), key=t.get, default=None)
+    names = {r.name for r in call.candidates}
+    best = min((n for n in t if n.removesuffix(OPAQUE) in names), key=t.get, default=None)
     rule = decision.label
     was, now = t.get(call.chosen or "aten"), t.get(rule or "aten")
     saved = max(was - now, 0.0) if was is not None and now is not None else 0.0

@@ -43,7 +43,7 @@ from typing import Sequence
 
 from ..lowerings.rule import Rule
 from ..lowerings.site import ConvSite
-from .decision import Decision
+from .decision import Decision, label, opaque_of
 
 log = logging.getLogger("convlower")
 
@@ -119,8 +119,8 @@ def settle(store, key: str, payload: str) -> str:
 def encode(decision: Decision, rank: int) -> str:
     rule = decision.rule.name if decision.rule is not None else None
     timings = {k: float(v) for k, v in decision.timings.items()}
-    return json.dumps({"rank": rank, "rule": rule, "why": decision.why, "how": decision.how,
-                       "timings": timings})
+    return json.dumps({"rank": rank, "rule": rule, "opaque": decision.opaque,
+                       "why": decision.why, "how": decision.how, "timings": timings})
 
 
 def decode(value: str, mine: Decision, candidates: Sequence[Rule], world: int,
@@ -137,11 +137,14 @@ def decode(value: str, mine: Decision, candidates: Sequence[Rule], world: int,
     if name is not None and name not in by_name:
         return _keep(mine, f"kept the original: rank {rank} chose {name}, not eligible here",
                      f"rank {rank}", waited_s)
-    own = mine.rule.name if mine.rule is not None else "the original"
+    rule = by_name.get(name)
+    opaque = opaque_of(d, rule)
+    own = mine.label or "the original"
     note = f" (rank {rank}'s decision, the first of {world} ranks to decide"
-    note += ")" if (name or "the original") == own else f"; this rank's own choice: {own})"
-    return Decision(by_name.get(name), why + note, how, mine.seconds + waited_s, timings,
-                    shared=f"rank {rank}")
+    note += ")" if (label(name, opaque) or "the original") == own else \
+        f"; this rank's own choice: {own})"
+    return Decision(rule, why + note, how, mine.seconds + waited_s, timings,
+                    shared=f"rank {rank}", opaque=opaque)
 
 
 def _keep(mine: Decision, why: str, shared: str, waited_s: float) -> Decision:
