@@ -96,7 +96,7 @@ def _lean(t: dict):
              and not k.endswith(screen.KERNELS)]
     best = min(names, key=lambda n: screen.predicted(t, n), default=None)
     if best is not None and "aten" in t and screen.predicted(t, best) <= keep * t["aten"]:
-        return best
+        return best.removesuffix(":opaque")  # a seed's figures name both forms: the rule
     ind = t.get(screen.INDUCTOR_LAYOUT)
     return "eager_conv" if ind and t.get("eager_conv", ind) <= keep * ind else None
 
@@ -108,8 +108,14 @@ def _equivalent(pick, chosen, timings: dict) -> bool:
 
     if pick == chosen:
         return True
-    mine, best = timings.get(pick or "aten"), timings.get(chosen or "aten")
+    mine, best = _fastest_form(timings, pick), _fastest_form(timings, chosen)
     return mine is not None and best is not None and mine <= (1 + measure.MARGIN) * best
+
+
+def _fastest_form(timings: dict, rule):
+    """A rule's compiled figure in its faster form (traced or opaque); the original's."""
+    times = [timings[k] for k in (rule or "aten", f"{rule}:opaque") if k in timings]
+    return min(times, default=None)
 
 
 def _interleaved(fns: dict, inputs, train, params, rounds=9, sample_s=0.05) -> dict:
