@@ -123,7 +123,7 @@ def child_compile(name, size, plan, train) -> dict:
         import convlower
 
         regs = convlower.report().to_dict()["regions"]
-        out["whole"] = sum(r["how"].startswith("compiled whole") for r in regs)
+        out["whole"] = sum(r["whole"] for r in regs)
         out["parts"] = len(regs) - out["whole"]
         out["compiled"] = sum(r["how"] == "compiled" for r in regs)
         out["reused"] = sum(r["how"] == "reused" for r in regs)

@@ -13,6 +13,8 @@ import torch
 
 from ..lowerings.rule import ConvCall, Rule
 
+DTYPES = {None: None, "bfloat16": torch.bfloat16}  # the compute_dtype option's dtypes
+
 
 def _in_compute_dtype(fn, compute_dtype: Optional[torch.dtype]):
     """Run ``fn`` on tensors cast to ``compute_dtype`` and cast the result back (opt-in)."""

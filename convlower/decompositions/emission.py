@@ -29,7 +29,6 @@ from . import convolution as conv_decomp
 from . import opaque_form
 
 aten = torch.ops.aten
-DTYPES = {None: None, "bfloat16": torch.bfloat16}
 
 
 def build(site: ConvSite, rule: Optional[Rule], compute_dtype: Optional[str] = None,
@@ -41,7 +40,7 @@ def build(site: ConvSite, rule: Optional[Rule], compute_dtype: Optional[str] = N
         return _original(site)
     if opaque and not opaque_form.has_opaque_form(rule):
         raise ValueError(f"{rule.name} has no opaque form (it is not a traced lowering)")
-    dtype = DTYPES[compute_dtype]
+    dtype = conv_decomp.DTYPES[compute_dtype]
     if site.backward:
         fn = (opaque_form.backward(rule, site.call, site.output_mask, compute_dtype,
                                    site.layout_opt) if opaque

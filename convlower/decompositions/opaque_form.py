@@ -27,7 +27,7 @@ from ..lowerings import RULES
 from ..lowerings.opaque_conv import conv_params, exact_strides_tags
 from ..lowerings.frames import conv2d_in
 from ..lowerings.rule import ConvCall
-from .convolution import convolution, convolution_backward
+from .convolution import DTYPES, convolution, convolution_backward
 
 aten = torch.ops.aten
 
@@ -36,10 +36,6 @@ def has_opaque_form(rule) -> bool:
     """A lowering whose decomposition is traced into the graph (rules that are custom ops
     already, such as channels_last_conv, are their own opaque form)."""
     return bool(rule is not None and rule.lowers and rule.traced)
-
-
-def _dtype(name: str) -> Optional[torch.dtype]:
-    return getattr(torch, name) if name else None
 
 
 def _call(x, weight, has_bias, stride, padding, dilation, transposed, output_padding, groups):
@@ -75,7 +71,7 @@ def _lowered_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     try:
         call = _call(x, weight, bias is not None, *params)
         with conv2d_in(torch.channels_last if channels_last else None):
-            out = convolution(RULES[rule], call, _dtype(compute_dtype))(x, weight, bias)
+            out = convolution(RULES[rule], call, DTYPES[compute_dtype or None])(x, weight, bias)
     except Exception as e:  # never break a step: the original computes the same value
         _fell_back(rule, e)
         out = aten.convolution.default(x, weight, bias, *params)
@@ -110,7 +106,7 @@ def _lowered_conv_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torc
             layout = torch.channels_last if channels_last else None
             with ti.autograd_inside_custom_op(), conv2d_in(layout):  # the backward: autograd
                 grads = convolution_backward(RULES[rule], call, output_mask,
-                                             _dtype(compute_dtype))(grad_out, x, weight)
+                                             DTYPES[compute_dtype or None])(grad_out, x, weight)
         except Exception as e:  # never break a step: the original computes the same values
             _fell_back(rule, e)
             grads = original()

@@ -99,11 +99,13 @@ class RegionRecord(_Record):
     block: str                      # the region's module class, "(glue)" between regions
     signature: str                  # parts with one signature share one compiled function
     nodes: int
-    how: str                        # "compiled" | "reused" | "runs as is (views only)"
+    how: str                        # "compiled" | "reused" | "runs as is (views only)" |
+                                    # "compiled whole: ..." (why)
     compile_s: float
     shared_from: str = ""           # the part that compiled the code a reused part calls
     channels_last_out: int = 0      # outputs handed to the next part channels-last (seams.py)
     inputs_converted: int = 0       # inputs the split graph converts to its layout per call
+    whole: bool = False             # not split: "auto" found too little repeated (the graph)
 
 
 KINDS = {"convolutions": ConvRecord, "snake": SnakeRecord, "compiles": CompileRecord,

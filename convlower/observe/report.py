@@ -132,13 +132,14 @@ class Report:
             row[4] += r.compile_s
         table = [[b, s, str(n), f"once, reused {k}x" if n > 1 else "once", f"{t:.2f}", str(nodes)]
                  for b, s, n, k, t, nodes in rows.values()]
-        whole = [f"{r.graph}: {r.how}" for r in self.regions if r.how.startswith("compiled whole")]
+        whole = [f"{r.graph}: {r.how}" for r in self.regions if r.whole]
         views = sum(1 for r in self.regions if not r.signature) - len(whole)
         seams = sum(r.channels_last_out for r in self.regions)
         converted = sum(r.inputs_converted for r in self.regions)
         head = ["block", "signature", "instances", "compiled", "compile s", "nodes"]
-        return (f"regions ({len(self.regions) - len(whole)} parts, {len(rows)} compiled, {views} run as "
-                f"is, {seams} seams channels-last, {converted} inputs converted per call):\n"
+        return (f"regions ({len(self.regions) - len(whole)} parts, {len(rows)} compiled, "
+                f"{views} run as is, {seams} seams channels-last, {converted} inputs converted "
+                f"per call):\n"
                 + _fmt_table(table, head, flexible=(0,))
                 + "".join(f"\n{w}" for w in whole))
 

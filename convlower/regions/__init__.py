@@ -107,7 +107,7 @@ def compile_regions(gm: torch.fx.GraphModule, setting: Setting, compile_graph: C
         _records.record(_records.RegionRecord(
             graph=name, part="", block="(whole graph)", signature="", nodes=len(owner),
             how=f"compiled whole: repeated instances are {share:.0%} of its nodes (auto splits "
-                f"from {MIN_AUTO_SHARED:.0%})", compile_s=0.0))
+                f"from {MIN_AUTO_SHARED:.0%})", compile_s=0.0, whole=True))
         return None
     split_gm, parts = split(gm, owner)
     compiled = {p.name: split_gm.get_submodule(p.name) for p in parts

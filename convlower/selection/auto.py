@@ -22,7 +22,7 @@ from ..lowerings.rule import Rule
 from ..lowerings.site import ConvSite
 from . import close_calls, measure, screen, seeds
 from .cache import CACHE, decision_key
-from .decision import OPAQUE, Decision, label, opaque_of
+from .decision import OPAQUE, Decision, fastest_opaque, label, opaque_of
 
 SCREEN_METHOD = "eager-screen/v2"  # v2: a rule's 2-D convs in Inductor's layout
 
@@ -45,9 +45,9 @@ def decide(site: ConvSite, candidates: Sequence[Rule], compute_dtype: Optional[s
         return Decision(None, f"screen failed, kept the original: {type(e).__name__}: {e}",
                         "screen", time.perf_counter() - start)
     rule, why, close = judge(times, by_name)
-    opaque = opaque_suffices(times, rule)
+    fused = fused_ratio(times, rule)
+    opaque = fused is not None and fused > screen.WIN
     if opaque:
-        fused = screen.predicted(times, rule.name) / times[rule.name]
         why += (f"; in its opaque form (its kernels alone {fused:.2f}x its eager run: "
                 f"compiled, fusion can gain no clear win)")
         if fused < 1.0 - measure.MARGIN:  # it may gain the margin: a warm-up measures it
@@ -69,16 +69,16 @@ def decide(site: ConvSite, candidates: Sequence[Rule], compute_dtype: Optional[s
     return Decision(rule, f"screen: {why}", "screen", spent, times, opaque=opaque)
 
 
-def opaque_suffices(times: dict, rule: Optional[Rule]) -> bool:
-    """A screened winner runs in its opaque form (one custom op: no kernels to generate)
-    unless compiling it is a clear win over that: its kernels alone (its copies as free as
-    fusion can make them) within ``screen.WIN`` of its whole eager run, which is what the
-    opaque form runs.  As for the original, a close call takes the choice that compiles
-    nothing, and a warm-up measures it.  A GEMM-bound emission (bf16 convs on a CPU without
-    bf16 instructions) gains little compiled and cost Wan DiT's patch conv a 2x cold compile."""
+def fused_ratio(times: dict, rule: Optional[Rule]) -> Optional[float]:
+    """A screened winner's kernels alone (its copies as free as fusion can make them) over its
+    whole eager run, which is what its opaque form runs; None without an opaque form.  Above
+    ``screen.WIN`` compiling it is no clear win: it runs opaque (one custom op, no kernels to
+    generate); as for the original, a close call takes the choice that compiles nothing, and a
+    warm-up measures it.  A GEMM-bound emission (bf16 convs on a CPU without bf16
+    instructions) gains little compiled and cost Wan DiT's patch conv a 2x cold compile."""
     if not has_opaque_form(rule) or rule.name not in times:
-        return False
-    return screen.predicted(times, rule.name) > screen.WIN * times[rule.name]
+        return None
+    return screen.predicted(times, rule.name) / times[rule.name]
 
 
 def _cached(site, candidates, compute_dtype, by_name, measure_close):
@@ -119,7 +119,7 @@ def _kernels_deferred(site, candidates, compute_dtype, hit: dict, by_name: dict)
     form, and its kernels doubled a 2 s compile."""
     times = dict(hit.get("timings", {}))
     chosen = label(hit.get("rule"), opaque_of(hit, by_name.get(hit.get("rule"))))
-    cheap = min((n for n in times if n.endswith(OPAQUE)), key=times.get, default=None)
+    cheap = fastest_opaque(times)
     if chosen is None or chosen.endswith(OPAQUE) or cheap is None or chosen not in times or \
             cheap.removesuffix(OPAQUE) not in by_name or "aten" not in times:
         return None

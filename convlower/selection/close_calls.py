@@ -156,8 +156,7 @@ def settled_digest() -> str:
     key of every graph convlower compiles: a changed choice recompiles the graphs once).  A
     measurement that keeps the screen's choice changes no code, so it leaves the cached graphs
     warm."""
-    settled = sorted((k, label(v["rule"], v.get("opaque", False)))
-                     for k, v in CACHE.entries().items()
-                     if v.get("settled") and label(v["rule"], v.get("opaque", False))
-                     != v.get("screen_rule"))
+    labels = ((k, v, label(v["rule"], v.get("opaque", False)))
+              for k, v in CACHE.entries().items() if v.get("settled"))
+    settled = sorted((k, now) for k, v, now in labels if now != v.get("screen_rule"))
     return hashlib.sha256(json.dumps(settled).encode()).hexdigest()[:16]

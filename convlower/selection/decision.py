@@ -34,6 +34,11 @@ def label(rule: Optional[str], opaque: bool) -> Optional[str]:
     return rule + OPAQUE if rule and opaque else rule
 
 
+def fastest_opaque(timings: dict) -> Optional[str]:
+    """The label of the fastest opaque form among ``timings`` (None: none was timed)."""
+    return min((n for n in timings if n.endswith(OPAQUE)), key=timings.get, default=None)
+
+
 def opaque_of(entry: dict, rule: Optional[Rule]) -> bool:
     """Whether a stored decision (cache, seed) chose ``rule``'s opaque form; entries written
     before the form existed chose the traced one."""

@@ -29,7 +29,7 @@ from ..lowerings.rule import Rule
 from ..lowerings.site import ConvSite
 from . import timer as _timer
 from .cache import CACHE, decision_key
-from .decision import OPAQUE, Decision, label, opaque_of
+from .decision import OPAQUE, Decision, fastest_opaque, label, opaque_of
 from .inputs import real_inputs
 
 MARGIN = 0.05  # a rule must be at least 5% faster than the original convolution
@@ -238,7 +238,7 @@ def _cheaper_form(best: str, timings: dict, base: float) -> str:
     it beats the original by the margin too): within noise, the choice with no kernels to
     generate (Wan DiT's bf16 patch conv: compiled time_fold_conv2d 0.39x the original,
     patchify_mm's opaque form 0.40x, for ~2 s less C++ to build)."""
-    cheap = min((n for n in timings if n.endswith(OPAQUE)), key=timings.get, default=None)
+    cheap = fastest_opaque(timings)
     if cheap is None or best.endswith(OPAQUE):
         return best
     close = timings[best] > (1.0 - MARGIN) * timings[cheap]

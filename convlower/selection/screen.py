@@ -15,8 +15,9 @@ figure made every rule look like a loss).  Hence:
 * in between: a close call, settled by compiled measurement in ``select="measure"`` and kept
   as the original in ``select="auto"``.
 
-Each figure is the median of a few eager runs, timed in interleaved rounds (the whole screen of a conv stays within
-``BUDGET_S``; slow calls that spend it in their warm-up are timed by that first run).  The function timing the candidates is injectable (:func:`set_screen`).
+Each figure is the median of a few eager runs, timed in interleaved rounds (the whole screen
+of a conv stays within ``BUDGET_S``; slow calls that spend it in their warm-up are timed by
+that first run).  The function timing the candidates is injectable (:func:`set_screen`).
 """
 from __future__ import annotations
 
