@@ -316,6 +316,28 @@ def test_compiled_measure_records_timings_and_keeps_slow_rules_out(cache):
     assert "stride=(2, 1, 1)" not in code
 
 
+def test_measured_original_returns_its_output_in_eagers_layout(cache):
+    """A conv output that leaves the graph is given back in eager's strides, as the model's
+    compiled graph gives it (compile_fx's user-visible outputs): Inductor computes a CPU 2-D
+    conv channels-last, and the copy back is part of what the original costs there."""
+    seen = {}
+
+    def timer(label, fn, budget_s):
+        out = fn()
+        seen[label] = out.stride()
+        return {"aten": 1.0}.get(label, 2.0)
+
+    selection.set_timer(timer, compiles=True)
+    x, w = torch.randn(1, 4, 16, 16), torch.randn(8, 4, 3, 3)
+    call = ConvCall.from_args([x, w, None, (1, 1), (1, 1), (1, 1), False, (0, 0), 1])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(measure, "MIN_CONV_S", 0.0)  # measure this tiny conv all the same
+        measure.decide(site_of_call(call, "forward", input_produced=False, output_consumed=False,
+                                    layout_opt=True), [RULES["eager_conv"]], None)
+    want = torch.empty(1, 8, 16, 16).stride()
+    assert seen == {"aten": want, "eager_conv": want}
+
+
 def test_pass_tells_measure_whether_input_is_produced_and_output_consumed(cache):
     """The measurement reproduces the conv's context: a graph-input activation keeps its
     layout, a produced one may take Inductor's; a returned output is materialised."""

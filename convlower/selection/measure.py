@@ -39,7 +39,8 @@ MIN_CONV_S = float(os.environ.get("CONVLOWER_MEASURE_MIN_US", "200")) * 1e-6
 # compiling the candidates, per site: past it, uncompiled rules are not measured
 COMPILE_BUDGET_S = float(os.environ.get("CONVLOWER_MEASURE_COMPILE_BUDGET_S", "60"))
 ROUNDS = 3  # candidates are timed in interleaved rounds, so a burst of load hits all of them
-METHOD = "inductor-compiled/median/every-round/v2"  # how timings are taken: part of the key
+METHOD = "inductor-compiled/median/every-round/v3"  # how timings are taken: part of the key
+# (v3: outputs leaving the graph keep eager's strides, as in the model)
 
 
 def compiled_step(fn: Callable, args: list, prologue: Sequence[bool], epilogue: bool,
