@@ -145,27 +145,10 @@ def compile_inner(gm: torch.fx.GraphModule, values: list):
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
 
-    _outputs_keep_strides(gm)
+    outputs_keep_strides(gm)
     with torch._guards.tracing(None), outer_metrics_kept(), \
             inductor_config.patch(post_grad_custom_pre_pass=None):
         return compile_fx_inner(gm, list(values))
-
-
-def _outputs_keep_strides(gm: torch.fx.GraphModule) -> None:
-    """Every output keeps the strides the trace gave it, as a model's outputs do under
-    ``compile_fx`` (its "user-visible outputs").  ``compile_fx_inner`` alone lets Inductor
-    return a conv's output channels-last; timed so, the original skipped the copy back that
-    the model pays (a 4-channel Conv2d measured 0.62 ms, 0.9 ms in the model)."""
-    from torch._inductor import compile_fx as _cf
-
-    record = getattr(_cf, "record_original_output_strides", None)
-    if record is None:   # an older torch: measured without the constraint
-        return
-    record(gm)
-    out = gm.graph.find_nodes(op="output")[0]
-    values = out.args[0] if not isinstance(out.args[0], torch.fx.Node) else out.args
-    out.meta["user_visible_output_idxs"] = [
-        i for i, v in enumerate(values) if isinstance(v, torch.fx.Node)]
 
 
 def inductor_wrapper(mode: Optional[str], inductor_options: Optional[dict]):
@@ -327,7 +310,7 @@ from .torch_caches import (cached_graph_guards, caches_disabled,  # noqa: E402,F
 
 # Dispatcher-level helpers (recording ops, autograd inside a custom op): torch_dispatch.py.
 from .torch_dispatch import (autograd_inside_custom_op, output_strides,  # noqa: E402,F401
-                             record_ops)
+                             outputs_keep_strides, record_ops, trace_live)
 
 
 # A generated module's C++ kernels built as a few libraries (torch_kernel_batch.py).

@@ -255,3 +255,22 @@ def test_the_backward_runs_under_inference_mode():
         want = torch.ops.aten.convolution_backward(g, x, w, None, *P3, [True, True, False])[:2]
     for a, r in zip(got, want):
         torch.testing.assert_close(a, r)
+
+
+def test_the_backward_runs_only_the_gemms_a_gradient_needs():
+    """The backward differentiates the rule's forward; the op runs that as a trace with its
+    dead code removed, so the forward's own GEMM (no gradient needs it) is not run: eagerly it
+    doubled the cost of ViT's patch conv backward, compiled Inductor drops it anyway."""
+    from convlower.decompositions import opaque_form
+    opaque_form._traced.clear()
+    x, w, b = _inputs((2, 3, 8, 8), (6, 3, 4, 4))
+    g = torch.randn(2, 6, 2, 2, dtype=torch.float64)
+    mask = [False, True, True]
+    got = ops.lowered_conv_backward(g, x, w, "patchify_mm", "", False, True, *P2, mask)
+    want = torch.ops.aten.convolution_backward(g, x, w, [6], *P2, mask)
+    for a, r in zip(got, [t for t in want if t is not None]):
+        torch.testing.assert_close(a, r)
+    (trace,) = opaque_form._traced.values()
+    gemms = [n for n in trace.graph.nodes if n.op == "call_function"
+             and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)]
+    assert len(gemms) == 1   # the weight gradient's; the forward's addmm is gone

@@ -177,6 +177,24 @@ def test_a_rule_must_win_every_round(cache):
     assert rule is None and "every round" in why and timings["time_fold_conv2d"] == 0.5
 
 
+def test_a_rule_that_won_every_round_wins_when_the_fastest_did_not(cache):
+    """The fastest median lost one round in noise: the next rule, which beat the original by
+    the margin in every round, is taken rather than the original."""
+    rounds = []
+
+    def timer(label, fn, budget_s):
+        if label == "aten":
+            rounds.append(1)
+            return 1.0
+        if label.startswith("time_fold_conv2d"):  # fastest, but not in the last round
+            return 0.5 if len(rounds) < measure.ROUNDS else 1.0
+        return 0.8
+
+    selection.set_timer(timer)
+    rule, why, _ = measured(conv_call(), [RULES["time_fold_conv2d"], RULES["time_sum_conv2d"]])
+    assert rule is RULES["time_sum_conv2d"] and "0.80x" in why
+
+
 def test_compile_budget_bounds_measuring(cache, monkeypatch):
     monkeypatch.setattr(measure, "COMPILE_BUDGET_S", 0.0)
     monkeypatch.setattr(measure, "MIN_CONV_S", 0.0)  # measure this tiny conv all the same

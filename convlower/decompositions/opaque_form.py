@@ -105,14 +105,36 @@ def _lowered_conv_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torc
             call = _call(x, weight, has_bias, *params)
             layout = torch.channels_last if channels_last else None
             with ti.autograd_inside_custom_op(), conv2d_in(layout):  # the backward: autograd
-                grads = convolution_backward(RULES[rule], call, output_mask,
-                                             DTYPES[compute_dtype or None])(grad_out, x, weight)
+                args = (rule, compute_dtype, channels_last, has_bias,
+                        *(tuple(p) if isinstance(p, list) else p for p in params),
+                        tuple(output_mask))
+                grads = _live_backward(args, call, (grad_out, x, weight))
         except Exception as e:  # never break a step: the original computes the same values
             _fell_back(rule, e)
             grads = original()
     strides = ti.output_strides(aten.convolution_backward.default,
                                 (grad_out, x, weight, bias_sizes, *params, list(output_mask)))
     return [_in_strides(g, s) for g, s, m in zip(grads, strides, output_mask) if m]
+
+
+_traced: dict = {}   # (op arguments, input signature) -> the backward's live trace
+_MAX_TRACED = 256    # dynamic sizes give a trace per size: forget them all past this
+
+
+def _live_backward(args: tuple, call: ConvCall, values: tuple):
+    """The rule's backward on ``values``, as its trace with the dead code removed (traced once
+    per signature): the decomposition differentiates the rule's forward, whose own GEMM no
+    gradient needs; traced, that GEMM is dropped as Inductor drops it from the traced form."""
+    key = (args, tuple((t.shape, t.stride(), t.dtype, t.device) for t in values))
+    gm = _traced.get(key)
+    if gm is None:
+        rule, compute_dtype, mask = args[0], args[1], list(args[-1])
+        fn = convolution_backward(RULES[rule], call, mask, DTYPES[compute_dtype or None])
+        gm = ti.trace_live(fn, list(values))
+        if len(_traced) >= _MAX_TRACED:
+            _traced.clear()
+        _traced[key] = gm
+    return gm(*values)
 
 
 @_lowered_conv_backward.register_fake

@@ -24,8 +24,9 @@ from . import close_calls, measure, screen, seeds
 from .cache import CACHE, decision_key
 from .decision import OPAQUE, Decision, fastest_opaque, label, opaque_of
 
-SCREEN_METHOD = "eager-screen/v3"  # v2: a rule's 2-D convs in Inductor's layout; v3: eager_conv
-# judged under 1 ms too
+# v2: a rule's 2-D convs in Inductor's layout; v3: eager_conv judged under 1 ms too, a backward
+# screened without the forward GEMM its autograd runs
+SCREEN_METHOD = "eager-screen/v3"
 
 
 def decide(site: ConvSite, candidates: Sequence[Rule], compute_dtype: Optional[str],

@@ -40,7 +40,8 @@ MIN_CONV_S = float(os.environ.get("CONVLOWER_MEASURE_MIN_US", "200")) * 1e-6
 COMPILE_BUDGET_S = float(os.environ.get("CONVLOWER_MEASURE_COMPILE_BUDGET_S", "60"))
 ROUNDS = 3  # candidates are timed in interleaved rounds, so a burst of load hits all of them
 METHOD = "inductor-compiled/median/every-round/v3"  # how timings are taken: part of the key
-# (v3: outputs leaving the graph keep eager's strides, as in the model)
+# (v3: outputs leaving the graph keep eager's strides, as in the model; an opaque backward runs
+# without its forward's GEMM)
 
 
 def compiled_step(fn: Callable, args: list, prologue: Sequence[bool], epilogue: bool,
@@ -212,13 +213,17 @@ def _verdict(run: _Run, by_name: dict) -> Decision:
     if "aten" not in timings:
         raise RuntimeError("the original convolution was not timed")
     base = timings["aten"]
-    best = min((n for n in timings if n != "aten"), key=timings.get, default=None)
+    ranked = sorted((n for n in timings if n != "aten"), key=timings.get)
+    best = ranked[0] if ranked else None
     # A clear win: faster by the margin overall, and in every round against that round's
-    # original (a burst of load during one candidate's turn cannot make it win).
-    wins = best is not None and timings[best] <= (1.0 - MARGIN) * base and all(
-        t <= (1.0 - MARGIN) * a for t, a in zip(run.rounds[best], run.rounds["aten"]))
+    # original (a burst of load during one candidate's turn cannot make it win).  The fastest
+    # such candidate wins: one round of the fastest lost in noise need not keep the original
+    # over a rule that clearly won (ViT fp32: patchify_mm 0.80x, eager_conv 0.83x, kept).
+    clear = {n: timings[n] for n in ranked if timings[n] <= (1.0 - MARGIN) * base and all(
+        t <= (1.0 - MARGIN) * a for t, a in zip(run.rounds[n], run.rounds["aten"]))}
+    wins = bool(clear)
     if wins:
-        best = _cheaper_form(best, timings, base)
+        best = _cheaper_form(min(clear, key=clear.get), clear)
         rule = by_name[best.removesuffix(OPAQUE)]
         why = f"measured: {best} takes {timings[best] / base:.2f}x the original's time"
     else:
@@ -234,13 +239,12 @@ def _verdict(run: _Run, by_name: dict) -> Decision:
     return Decision(rule, why, "measurement", 0.0, timings, opaque=opaque)
 
 
-def _cheaper_form(best: str, timings: dict, base: float) -> str:
-    """``best``, or the fastest opaque form when ``best`` does not beat it by the margin (and
-    it beats the original by the margin too): within noise, the choice with no kernels to
-    generate (Wan DiT's bf16 patch conv: compiled time_fold_conv2d 0.39x the original,
-    patchify_mm's opaque form 0.40x, for ~2 s less C++ to build)."""
-    cheap = fastest_opaque(timings)
+def _cheaper_form(best: str, clear: dict) -> str:
+    """``best``, or the fastest opaque form among the clear winners ``clear`` (label ->
+    median) when ``best`` does not beat it by the margin: within noise, the choice with no
+    kernels to generate (Wan DiT's bf16 patch conv: compiled time_fold_conv2d 0.39x the
+    original, patchify_mm's opaque form 0.40x, for ~2 s less C++ to build)."""
+    cheap = fastest_opaque(clear)
     if cheap is None or best.endswith(OPAQUE):
         return best
-    close = timings[best] > (1.0 - MARGIN) * timings[cheap]
-    return cheap if close and timings[cheap] <= (1.0 - MARGIN) * base else best
+    return cheap if clear[best] > (1.0 - MARGIN) * clear[cheap] else best

@@ -79,7 +79,8 @@ def eager_screen(site: ConvSite, candidates: Sequence[Rule],
             # Its 2-D convs in the layout Inductor will run them in: the figure is also what
             # the rule's opaque form runs (decompositions/opaque_form.py).
             fns[rule.name] = _bound(emission.build(site, rule, compute_dtype), args,
-                                    torch.channels_last if site.layout_opt else None)
+                                    torch.channels_last if site.layout_opt else None,
+                                    live=site.backward)
             fns[rule.name + KERNELS] = _kernels_only(fns[rule.name], site.layout_opt)
     fmt = inductor_format(site)
     if EAGER_CONV in candidates and fmt is not None:
@@ -91,7 +92,11 @@ def eager_screen(site: ConvSite, candidates: Sequence[Rule],
     return times
 
 
-def _bound(fn: Callable, args: list, conv2d_format=None) -> Callable[[], object]:
+def _bound(fn: Callable, args: list, conv2d_format=None, live=False) -> Callable[[], object]:
+    if live:  # a rule's backward as compiled: without the forward GEMM its autograd runs
+        with conv2d_in(conv2d_format):
+            fn = ti.trace_live(fn, args)
+
     def run():
         with conv2d_in(conv2d_format):
             out = fn(*args)
