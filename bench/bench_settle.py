@@ -12,7 +12,10 @@ process with empty caches:
 4. steps of eager, Inductor, the warm-up's model, exhaustive's (and always's) interleaved.
 
 Printed per row: warm-up step / exhaustive step (goal <= 1.03), / always (the ViT patch
-embedding: <= 1.03), / Inductor, the close calls (measured / changed), the seconds settling and recompiling cost, and the screen's agreement with the
+embedding: <= 1.03), / Inductor, the close calls (measured / changed), the seconds settling and
+recompiling cost, how many of exhaustive's convs the warm-up's model runs the same choice on
+(all: the two run the same code, and their step ratio is the machine's noise), and the
+screen's agreement with the
 compiled measurement: per conv, the screen's pick (a clear call's rule, a close call's lean:
 the rule when its eager figure beat the original's) against exhaustive's pick (goal >= 90%);
 also the share where the screen's pick, by exhaustive's own compiled figures, is within the
@@ -72,6 +75,21 @@ def _picks(records, how) -> dict:
         pick = c.rule if c.how == "measurement" or c.rule else _lean(c.timings)
         out[_site(c)] = pick
     return out
+
+
+def _choices(records) -> dict:
+    """{site: rule label} of the code that runs: a later record of a site (the warm-up's
+    recompile after settling) replaces an earlier one."""
+    from convlower.selection.decision import label
+
+    return {_site(c): label(c.rule, c.opaque) for c in records}
+
+
+def _same_choices(warm_recs, ex_recs) -> str:
+    """How many of exhaustive's sites the warm-up model runs the same choice on: where all do,
+    the two compiled models run the same code and their step ratio is the machine's noise."""
+    warm, ex = _choices(warm_recs), _choices(ex_recs)
+    return f"{sum(warm.get(k) == v for k, v in ex.items())}/{len(ex)}"
 
 
 def _site(c) -> tuple:
@@ -191,6 +209,7 @@ def worker(args) -> dict:
             "equivalent": sum(_equivalent(screen[k], measured[k], ex_t[k]) for k in both),
             "disagree": disagree,
             "exhaustive_rules": sorted({str(c.rule) for c in ex_recs}),
+            "same_choices": _same_choices(warm_recs, ex_recs),
             "decisions": selection.cache_dir()}
 
 
@@ -230,12 +249,13 @@ def line(model, dtype, train, r) -> str:
     return (f"{name} {s['warm-up'] / s['exhaustive']:.3f} | {always} | "
             f"{s['warm-up'] / s['inductor']:.3f} | "
             f"{r['close']} / {len(r['changed'])} | {r['settle_s']:.1f} | {r['recompile_s']:.1f} | "
-            f"{agree} | {'; '.join(r['changed']) or '–'} |")
+            f"{agree} | {r.get('same_choices', '–')} | {'; '.join(r['changed']) or '–'} |")
 
 
 HEAD = ("| model | dtype | pass | warm-up step / exhaustive | / always | / Inductor | "
         "close calls measured / changed | settling s | "
-        "recompile s | screen agrees | changed |\n|---|---|---|---|---|---|---|---|---|---|---|")
+        "recompile s | screen agrees | warm-up runs exhaustive's choices | changed |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main() -> None:
