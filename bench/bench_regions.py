@@ -155,7 +155,12 @@ def child_steps(name, size, plans, train, rounds) -> dict:
     for _ in range(rounds):
         for k, fn in fns.items():
             times[k].append(_steady_mean(fn, inputs, train, calls))
-    return {"step_s": {k: statistics.median(v) for k, v in times.items()}, "err": errs}
+    # per round, each plan against Inductor's sample of the same round: a drift of the machine
+    # between rounds reaches both sides of a ratio alike
+    ratios = {k: [t / i for t, i in zip(v, times["inductor"])] for k, v in times.items()
+              if "inductor" in times}
+    return {"step_s": {k: statistics.median(v) for k, v in times.items()}, "err": errs,
+            "step_ratios": ratios}
 
 
 def _child(args: list[str], cache: str) -> dict:
@@ -187,6 +192,15 @@ def _regions_label(cold: dict) -> str:
     return f" ({cold['compiled']} compiled / {cold['reused']} reused of {cold['parts']})"
 
 
+def _step_ratio(steps: dict, plan: str, fallback: float) -> str:
+    """The median of the per-round step ratios to Inductor, with their quartiles."""
+    r = sorted(steps.get("step_ratios", {}).get(plan, []))
+    if len(r) < 4:
+        return f"{fallback:.3f}"
+    q1, med, q3 = statistics.quantiles(r, n=4)
+    return f"{med:.3f} ({q1:.2f}-{q3:.2f})"
+
+
 def table(name: str, res: dict) -> str:
     steps = res["steps"].get("step_s", {})
     eager, ind = steps.get("eager"), steps.get("inductor")
@@ -208,7 +222,8 @@ def table(name: str, res: dict) -> str:
         extra = _regions_label(res[plan]["cold"]) if plan == "regions" else ""
         warm = "–" if warm is None else f"{warm:.1f}"  # --no-warm
         rows.append(f"| {name} | {plan}{extra} | {cold:.1f} | {warm} | {step * 1e3:.1f} | "
-                    f"{cold / ind_cold:.2f} | {step / ind:.3f} | {breakeven} | {err:.1e} |")
+                    f"{cold / ind_cold:.2f} | {_step_ratio(res['steps'], plan, step / ind)} | "
+                    f"{breakeven} | {err:.1e} |")
     return "\n".join(r for r in rows if r)
 
 
@@ -217,7 +232,7 @@ def main() -> None:
     ap.add_argument("--models", default="sdxl-unet,wan-vae,wan-dit-stack")
     ap.add_argument("--size", default="small", choices=("tiny", "small"))
     ap.add_argument("--train", action="store_true", help="forward+backward instead of forward")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--json", help="write the raw figures here")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -237,7 +252,7 @@ def main() -> None:
         print(json.dumps(fn(*args)))
         return
     print("| model | plan | cold compile s | warm load s | step ms | cold / Inductor | "
-          "step / Inductor | break-even calls | max err vs eager |")
+          "step / Inductor (per-round median, quartiles) | break-even calls | max err vs eager |")
     print("|---|---|---|---|---|---|---|---|---|")
     raw = {}
     for name in a.models.split(","):
