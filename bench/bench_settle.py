@@ -93,7 +93,8 @@ def _same_choices(warm_recs, ex_recs) -> str:
 
 
 def _site(c) -> tuple:
-    return (c.phase, json.dumps(c.call, sort_keys=True), str(c.output_mask))
+    return (c.phase, json.dumps(c.call, sort_keys=True), str(c.output_mask), c.input_produced,
+            c.output_consumed)
 
 
 def _ratios(t: dict) -> str:

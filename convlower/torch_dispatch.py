@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from typing import Callable, Sequence
 
 import torch
@@ -75,31 +76,42 @@ def _fake_strides(op, signature: tuple) -> tuple:
     return tuple(tuple(o.stride()) if o is not None else None for o in outs)
 
 
+_TRACING = threading.Lock()
+
+
 def trace_live(fn: Callable, values: list) -> torch.fx.GraphModule:
     """``fn`` traced on the real ``values`` (aten ops as dispatched, autograd calls included)
     with its dead code removed: what a compiled graph of ``fn`` computes.  A backward that
     differentiates a rule's forward (``torch.autograd.grad``) also runs that forward's GEMM,
     which no gradient needs: eagerly it doubled ViT's patch conv backward (17 ms, 8.6 ms
-    traced)."""
+    traced).  Raises if the trace saw no op reach its outputs (a caller that hides ops from
+    dispatch modes): such a graph would replay the first call's values.
+
+    While it traces, ``make_fx`` marks the process as FX-tracing: another thread calling a
+    ``torch.compile``d function then raises, as it does during any compile's own tracing."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    gm = make_fx(fn, tracing_mode="real")(*values)
+    with _TRACING:
+        gm = make_fx(fn, tracing_mode="real")(*values)
     gm.graph.eliminate_dead_code()
+    if any(n.op == "get_attr" for n in gm.graph.nodes):
+        raise RuntimeError("the trace holds constants: its ops were hidden from the tracer")
     gm.recompile()
     return gm
 
 
 def outputs_keep_strides(gm: torch.fx.GraphModule) -> None:
     """Every output keeps the strides the trace gave it, as a model's outputs do under
-    ``compile_fx`` (its "user-visible outputs").  ``compile_fx_inner`` alone lets Inductor
-    return a conv's output channels-last; timed so, the original skipped the copy back that
-    the model pays (a 4-channel Conv2d measured 0.62 ms, 0.9 ms in the model)."""
-    from torch._inductor import compile_fx as _cf
+    ``compile_fx`` (its "user-visible outputs", unless Inductor's ``keep_output_stride`` is
+    off).  ``compile_fx_inner`` alone lets Inductor return a conv's output channels-last; timed
+    so, the original skipped the copy back that the model pays (a 4-channel Conv2d measured
+    0.62 ms, 0.9 ms in the model)."""
+    from torch._inductor import compile_fx as _cf, config
 
     record = getattr(_cf, "record_original_output_strides", None)
-    if record is None:   # an older torch: measured without the constraint
-        return
-    record(gm)
+    if record is None or not config.keep_output_stride:
+        return   # an older torch: measured without the constraint
+    record(gm)   # torch 2.13's compile_fx_inner records them again, after its fake propagation
     out = gm.graph.find_nodes(op="output")[0]
     values = out.args[0] if not isinstance(out.args[0], torch.fx.Node) else out.args
     out.meta["user_visible_output_idxs"] = [

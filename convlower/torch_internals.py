@@ -139,13 +139,16 @@ def trace_aten(fn: Callable, values: list) -> torch.fx.GraphModule:
         return fwd_only(fn, list(values))
 
 
-def compile_inner(gm: torch.fx.GraphModule, values: list):
+def compile_inner(gm: torch.fx.GraphModule, values: list, outputs_leave: bool = True):
     """Compile an aten graph with Inductor, outside any enclosing trace and with convlower's
-    pass off (a measurement candidate); returns a boxed callable."""
+    pass off (a measurement candidate); returns a boxed callable.  ``outputs_leave``: its
+    outputs stand for values that leave the model's graph (they keep their strides), not for
+    values a later op reads (Inductor picks their layout)."""
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
 
-    outputs_keep_strides(gm)
+    if outputs_leave:
+        outputs_keep_strides(gm)
     with torch._guards.tracing(None), outer_metrics_kept(), \
             inductor_config.patch(post_grad_custom_pre_pass=None):
         return compile_fx_inner(gm, list(values))

@@ -129,13 +129,14 @@ def layout_site(**kw):
 
 @pytest.mark.parametrize("times,chosen", [
     ({"aten": 2e-3, "eager_conv": 1.0e-3, FIG: 2e-3}, "eager_conv"),   # relayout costs 2x
-    ({"aten": 2e-3, "eager_conv": 1.9e-3, FIG: 2e-3}, None),           # 0.95x: not clear
+    ({"aten": 2e-3, "eager_conv": 1.8e-3, FIG: 2e-3}, "eager_conv"),   # 0.90x: by the margin
+    ({"aten": 2e-3, "eager_conv": 1.95e-3, FIG: 2e-3}, None),          # 0.975x: not clear
     ({"aten": 2e-3, "eager_conv": 2.1e-3, FIG: 2e-3}, None),           # the eager call loses
     ({"aten": 0.5e-3, "eager_conv": 0.3e-3, FIG: 0.5e-3}, "eager_conv"),  # under 1 ms too
-    ({"aten": 0.5e-3, "eager_conv": 0.45e-3, FIG: 0.5e-3}, None),       # ... when clear
+    ({"aten": 0.5e-3, "eager_conv": 0.49e-3, FIG: 0.5e-3}, None),       # ... when clear
     ({"aten": 0.1e-3, "eager_conv": 0.05e-3, FIG: 0.1e-3}, None),       # tiny conv
     ({"aten": 2e-3, "eager_conv": 1e-3, FIG: 2e-3, "patchify_mm": 0.5e-3}, "patchify_mm"),
-], ids=["inductor layout loses", "close", "eager loses", "small", "small close", "tiny",
+], ids=["inductor layout loses", "by the margin", "close", "eager loses", "small", "small close", "tiny",
         "a lowering wins first"])
 def test_screen_takes_eager_conv_only_when_inductors_layout_clearly_loses(figures, times,
                                                                            chosen):

@@ -263,14 +263,34 @@ def test_the_backward_runs_only_the_gemms_a_gradient_needs():
     doubled the cost of ViT's patch conv backward, compiled Inductor drops it anyway."""
     from convlower.decompositions import opaque_form
     opaque_form._traced.clear()
-    x, w, b = _inputs((2, 3, 8, 8), (6, 3, 4, 4))
-    g = torch.randn(2, 6, 2, 2, dtype=torch.float64)
     mask = [False, True, True]
-    got = ops.lowered_conv_backward(g, x, w, "patchify_mm", "", False, True, *P2, mask)
-    want = torch.ops.aten.convolution_backward(g, x, w, [6], *P2, mask)
-    for a, r in zip(got, [t for t in want if t is not None]):
-        torch.testing.assert_close(a, r)
-    (trace,) = opaque_form._traced.values()
+    for layout in (None, None, torch.channels_last):  # the 2nd call replays the 1st's trace
+        x, w, b = _inputs((2, 3, 8, 8), (6, 3, 4, 4), layout)
+        g = torch.randn(2, 6, 2, 2, dtype=torch.float64)
+        got = ops.lowered_conv_backward(g, x, w, "patchify_mm", "", False, True, *P2, mask)
+        want = torch.ops.aten.convolution_backward(g, x, w, [6], *P2, mask)
+        for a, r in zip(got, [t for t in want if t is not None]):
+            torch.testing.assert_close(a, r)
+    assert len(opaque_form._traced) == 2   # one trace per input layout
+    trace = next(iter(opaque_form._traced.values()))
     gemms = [n for n in trace.graph.nodes if n.op == "call_function"
              and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)]
     assert len(gemms) == 1   # the weight gradient's; the forward's addmm is gone
+
+
+def test_the_ops_compute_in_their_inputs_dtype_under_a_callers_autocast():
+    """At step time the caller's autocast is still on; the ops replace a convolution whose
+    inputs the graph already cast, so their GEMMs must not be recast (fp32 stays fp32)."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=g) for s in ((2, 3, 8, 8), (6, 3, 4, 4), (6,)))
+    ref = torch.ops.aten.convolution(x, w, b, *P2)
+    gout = torch.randn_like(ref)
+    want = torch.ops.aten.convolution_backward(gout, x, w, [6], *P2, [True, True, True])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ops.lowered_conv(x, w, b, "patchify_mm", "", False, *P2)
+        grads = ops.lowered_conv_backward(gout, x, w, "patchify_mm", "", False, True, *P2,
+                                          [True, True, True])
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for a, r in zip(grads, want):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-4)

@@ -70,7 +70,7 @@ def _lowered_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     params = (stride, padding, dilation, transposed, output_padding, groups)
     try:
         call = _call(x, weight, bias is not None, *params)
-        with conv2d_in(torch.channels_last if channels_last else None):
+        with _no_autocast(x), conv2d_in(torch.channels_last if channels_last else None):
             out = convolution(RULES[rule], call, DTYPES[compute_dtype or None])(x, weight, bias)
     except Exception as e:  # never break a step: the original computes the same value
         _fell_back(rule, e)
@@ -104,7 +104,7 @@ def _lowered_conv_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torc
         try:
             call = _call(x, weight, has_bias, *params)
             layout = torch.channels_last if channels_last else None
-            with ti.autograd_inside_custom_op(), conv2d_in(layout):  # the backward: autograd
+            with ti.autograd_inside_custom_op(), _no_autocast(x), conv2d_in(layout):
                 args = (rule, compute_dtype, channels_last, has_bias,
                         *(tuple(p) if isinstance(p, list) else p for p in params),
                         tuple(output_mask))
@@ -117,24 +117,34 @@ def _lowered_conv_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torc
     return [_in_strides(g, s) for g, s, m in zip(grads, strides, output_mask) if m]
 
 
-_traced: dict = {}   # (op arguments, input signature) -> the backward's live trace
+_traced: dict = {}   # (op arguments, input signature) -> the backward's live trace (or itself)
 _MAX_TRACED = 256    # dynamic sizes give a trace per size: forget them all past this
+
+
+def _no_autocast(x: torch.Tensor):
+    """The op computes in its inputs' dtypes, as the convolution it replaces: a caller's autocast
+    (still on at step time) must not recast the decomposition's GEMMs."""
+    return torch.autocast(x.device.type, enabled=False)
 
 
 def _live_backward(args: tuple, call: ConvCall, values: tuple):
     """The rule's backward on ``values``, as its trace with the dead code removed (traced once
     per signature): the decomposition differentiates the rule's forward, whose own GEMM no
-    gradient needs; traced, that GEMM is dropped as Inductor drops it from the traced form."""
+    gradient needs; traced, that GEMM is dropped as Inductor drops it from the traced form.
+    Where tracing fails, the decomposition runs as it is (remembered: no second try)."""
     key = (args, tuple((t.shape, t.stride(), t.dtype, t.device) for t in values))
-    gm = _traced.get(key)
-    if gm is None:
+    run = _traced.get(key)
+    if run is None:
         rule, compute_dtype, mask = args[0], args[1], list(args[-1])
-        fn = convolution_backward(RULES[rule], call, mask, DTYPES[compute_dtype or None])
-        gm = ti.trace_live(fn, list(values))
+        run = convolution_backward(RULES[rule], call, mask, DTYPES[compute_dtype or None])
+        try:
+            run = ti.trace_live(run, list(values))
+        except Exception:  # noqa: BLE001 - the untraced backward computes the same values
+            pass
         if len(_traced) >= _MAX_TRACED:
             _traced.clear()
-        _traced[key] = gm
-    return gm(*values)
+        _traced[key] = run
+    return run(*values)
 
 
 @_lowered_conv_backward.register_fake

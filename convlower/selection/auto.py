@@ -24,9 +24,12 @@ from . import close_calls, measure, screen, seeds
 from .cache import CACHE, decision_key
 from .decision import OPAQUE, Decision, fastest_opaque, label, opaque_of
 
-# v2: a rule's 2-D convs in Inductor's layout; v3: eager_conv judged under 1 ms too, a backward
-# screened without the forward GEMM its autograd runs
+# v2: a rule's 2-D convs in Inductor's layout; v3: eager_conv judged under 1 ms too and by the
+# margin, a backward screened without the forward GEMM its autograd runs
 SCREEN_METHOD = "eager-screen/v3"
+# eager_conv wins by the measurement's margin: both its figures are what runs (eager's own call;
+# the original with Inductor's copies), with no compiled fusion for WIN to allow for.
+EAGER_WIN = 1.0 - measure.MARGIN
 
 
 def decide(site: ConvSite, candidates: Sequence[Rule], compute_dtype: Optional[str],
@@ -154,7 +157,7 @@ def judge(times: dict, by_name: dict) -> tuple[Optional[Rule], str, set]:
         # eager_conv is eager's own call and saves real copies at the graph's boundary: its
         # figures need no margin for fixed costs (a 0.5 ms 4-channel Conv2d ran 1.8x slower
         # in Inductor's layout than eagerly).
-        if eager is not None and eager[0] <= screen.WIN and base >= measure.MIN_CONV_S:
+        if eager is not None and eager[0] <= EAGER_WIN and base >= measure.MIN_CONV_S:
             return _eager_conv_wins(eager, by_name)
         # An eager figure says least here; compiled, such a conv still gains or loses up to
         # 2x: one worth compiling candidates for is a close call (a warm-up measures it).
@@ -180,7 +183,7 @@ def judge(times: dict, by_name: dict) -> tuple[Optional[Rule], str, set]:
             why += f"; {', '.join(sorted(rivals))} may beat it compiled ({shown})"
         return by_name[best], why, rivals | {best} if rivals else set()
     if eager is not None:
-        if eager[0] <= screen.WIN:
+        if eager[0] <= EAGER_WIN:
             return _eager_conv_wins(eager, by_name)
         seen = f"{eager[0]:.2f}x the original in Inductor's layout"
         shown = ", ".join(p for p in (shown, f"{screen.EAGER_CONV.name} {seen}") if p)
@@ -197,7 +200,7 @@ def judge(times: dict, by_name: dict) -> tuple[Optional[Rule], str, set]:
 def _eager_conv_wins(eager: tuple[float, str], by_name: dict) -> tuple[Rule, str, set]:
     name = screen.EAGER_CONV.name
     return by_name[name], (f"{name}: eager's call takes {eager[0]:.2f}x the original in "
-                           f"Inductor's layout ({eager[1]}; a clear win: <= {screen.WIN}x)"), set()
+                           f"Inductor's layout ({eager[1]}; a clear win: <= {EAGER_WIN}x)"), set()
 
 
 def _eager_ratio(times: dict, by_name: dict) -> Optional[tuple[float, str]]:

@@ -65,7 +65,8 @@ def compiled_step(fn: Callable, args: list, prologue: Sequence[bool], epilogue: 
         if "fn" not in state:
             start = time.perf_counter()
             try:
-                state["fn"] = ti.compile_inner(ti.trace_aten(graph, args), args)
+                state["fn"] = ti.compile_inner(ti.trace_aten(graph, args), args,
+                                               outputs_leave=not epilogue)
             finally:
                 compile_log[label] = time.perf_counter() - start
 
