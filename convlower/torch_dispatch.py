@@ -116,3 +116,25 @@ def outputs_keep_strides(gm: torch.fx.GraphModule) -> None:
     values = out.args[0] if not isinstance(out.args[0], torch.fx.Node) else out.args
     out.meta["user_visible_output_idxs"] = [
         i for i, v in enumerate(values) if isinstance(v, torch.fx.Node)]
+
+
+@contextlib.contextmanager
+def quick_op_registration():
+    """``torch.library`` notes where each fake kernel is registered with
+    ``inspect.getframeinfo``, which scans every loaded module: 10 ms per op, 0.1 s of importing
+    convlower (its ten custom ops), in every process's first compile.  Within this block the
+    note is the frame's file and line, read directly: the same text."""
+    import sys
+
+    from torch._library import utils
+
+    real = utils.get_source
+    if getattr(real, "__name__", "") != "get_source":  # not the function this replaces
+        yield
+        return
+    utils.get_source = lambda stacklevel: (  # noqa: E731  frame 0 is this lambda, as it was
+        lambda f: f"{f.f_code.co_filename}:{f.f_lineno}")(sys._getframe(stacklevel))
+    try:
+        yield
+    finally:
+        utils.get_source = real

@@ -200,3 +200,25 @@ def test_inductor_wrapper_without_config_patches(monkeypatch):
     torch.testing.assert_close(y, m(x), rtol=1e-5, atol=1e-5)
     assert {(c.phase, c.rule) for c in convlower.report().convolutions} == {
         ("forward", "patchify_mm"), ("backward", "patchify_mm")}
+
+
+def test_quick_op_registration_notes_the_same_source_as_torch():
+    """convlower's custom ops register without inspect's module scan; the note torch keeps for
+    each registration (file:line of the caller) reads the same, and torch's own function is
+    back after the block."""
+    from torch._library import utils
+
+    real = utils.get_source
+
+    def caller():
+        return utils.get_source(2)   # this function's caller: note()
+
+    def note():
+        return caller()
+
+    want = note()
+    with ti.quick_op_registration():
+        assert utils.get_source is not real
+        got = note()
+    assert utils.get_source is real
+    assert got == want and want.startswith(__file__ + ":")
