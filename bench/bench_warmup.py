@@ -12,6 +12,7 @@ ratio (goal >= 10x) and the warm load split by phase (Dynamo, AOTAutograd, Induc
 generation and loading, convlower's pass; ``saved load`` for a loaded compile).
 
     .venv/bin/python bench/bench_warmup.py --models vit-patch-embed,sdxl-unet [--size small]
+    .venv/bin/python bench/bench_warmup.py --models wan-dit-patch --plans inductor,convlower --dtype bfloat16
 
 The FX graph cache key includes convlower's source files: while someone edits them, run the
 bench on a frozen copy (``cp -r convlower /tmp/snap/ && PYTHONPATH=/tmp/snap ...``).
@@ -43,12 +44,14 @@ def _first_and_step(fn, inputs):
     return first, min(steps)
 
 
-def worker(model: str, size: str, plan: str, cache_dir: str) -> dict:
+def worker(model: str, size: str, plan: str, cache_dir: str, dtype: str = "float32") -> dict:
     import torch
 
     from convlower.tools import zoo
 
     m, inputs = zoo.build(model, size)
+    m = m.to(getattr(torch, dtype))
+    inputs = tuple(t.to(getattr(torch, dtype)) if t.is_floating_point() else t for t in inputs)
     with torch.no_grad():
         if plan == "inductor":
             start = time.perf_counter()
@@ -70,13 +73,13 @@ def worker(model: str, size: str, plan: str, cache_dir: str) -> dict:
                 "settle_s": r.settling.seconds + r.settling.recompile_s}
 
 
-def run(model, size, plan, cache_dir, timeout) -> dict:
+def run(model, size, plan, cache_dir, timeout, dtype="float32") -> dict:
     inductor = os.path.join(cache_dir, "inductor")  # where convlower.warmup points Inductor
     if not os.path.exists(inductor):
         new_cache(inductor)
     env = {"TORCHINDUCTOR_CACHE_DIR": inductor if plan == "inductor" else None,
            "TORCHINDUCTOR_FORCE_DISABLE_CACHES": None, "CONVLOWER_CACHE_DIR": None}
-    return run_worker([sys.executable, __file__, "--worker", model, size, plan, cache_dir],
+    return run_worker([sys.executable, __file__, "--worker", model, size, plan, cache_dir, dtype],
                       env, timeout, marker="RESULT ")
 
 
@@ -90,7 +93,8 @@ def main() -> None:
     ap.add_argument("--plans", default=",".join(PLANS))
     ap.add_argument("--size", default="small")
     ap.add_argument("--timeout", type=int, default=1800)
-    ap.add_argument("--worker", nargs=4, metavar=("MODEL", "SIZE", "PLAN", "CACHE_DIR"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--worker", nargs=5, metavar=("MODEL", "SIZE", "PLAN", "CACHE_DIR", "DTYPE"))
     args = ap.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(worker(*args.worker)))
@@ -103,9 +107,9 @@ def main() -> None:
         for plan in args.plans.split(","):
             with tempfile.TemporaryDirectory(prefix="convlower-warmup-") as d:
                 cache = os.path.join(d, "cache")
-                cold = run(model, args.size, plan, cache, args.timeout)
-                warm = run(model, args.size, plan, cache, args.timeout) if "error" not in cold \
-                    else cold
+                cold = run(model, args.size, plan, cache, args.timeout, args.dtype)
+                warm = run(model, args.size, plan, cache, args.timeout, args.dtype) \
+                    if "error" not in cold else cold
             if "error" in warm:
                 print(f"| {model} | {plan} | error: {warm['error']} |", flush=True)
                 continue
