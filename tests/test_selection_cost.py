@@ -294,3 +294,15 @@ def test_a_screen_of_slow_calls_times_their_first_calls_only():
     calls.clear()
     screen._time_interleaved({k: slow(k) for k in "ab"}, budget_s=1.0)
     assert len(calls) > 2, "under the budget: warm-up, then timed rounds"
+
+
+def test_a_training_compile_screens_the_backward_for_real(cache):
+    """Inside a real training compile the backward's screen traces the rule's backward (its
+    dead code removed) and times it: a failure there would only read "screen failed"."""
+    conv = torch.nn.Conv2d(3, 8, 4, 4)   # a patch conv: patchify_mm applies, both phases
+    x = torch.randn(2, 3, 16, 16, requires_grad=True)
+    torch._dynamo.reset()
+    convlower.reset_report()
+    torch.compile(conv, backend="convlower")(x).sum().backward()
+    (bwd,) = [r for r in convlower.report().convolutions if r.phase == "backward"]
+    assert "patchify_mm" in bwd.timings and "screen failed" not in bwd.reason, bwd.reason
