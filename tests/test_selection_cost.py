@@ -306,3 +306,16 @@ def test_a_training_compile_screens_the_backward_for_real(cache):
     torch.compile(conv, backend="convlower")(x).sum().backward()
     (bwd,) = [r for r in convlower.report().convolutions if r.phase == "backward"]
     assert "patchify_mm" in bwd.timings and "screen failed" not in bwd.reason, bwd.reason
+
+
+def test_a_backward_that_cannot_be_traced_is_screened_untraced(cache, monkeypatch):
+    """A failing trace must not cost the conv its screen: the backward is timed as it is."""
+    def broken(fn, values):
+        raise RuntimeError("no trace here")
+
+    monkeypatch.setattr(torch_internals, "trace_live", broken)
+    call = ConvCall.from_args([torch.randn(2, 3, 8, 8), torch.randn(6, 3, 4, 4), torch.randn(6),
+                               (4, 4), (0, 0), (1, 1), False, (0, 0), 1])
+    site = site_of_call(call, "backward", [False, True, True])
+    times = screen.eager_screen(site, [RULES["patchify_mm"]], None)
+    assert times["patchify_mm"] > 0
