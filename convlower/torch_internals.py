@@ -338,4 +338,5 @@ def kernel_builds_quiet():
 from .torch_saved import (can_save_compiled, compile_saveable,  # noqa: E402,F401
                           deserialize_compiled, dropped_guards, guard_passes,
                           inductor_config_digest, saveable_split,
-                          serialize_compiled, skip_saved_guard_check, traced_sources)
+                          serialize_compiled, skip_saved_guard_check, traced_sources,
+                          without_dynamo_disable)

@@ -71,3 +71,10 @@ def example_inputs(sub: torch.fx.GraphModule) -> list:
 
 def returns_tuple(sub: torch.fx.GraphModule) -> bool:
     return isinstance(sub.graph.output_node().args[0], (tuple, list))
+
+
+def return_as_tuple(sub: torch.fx.GraphModule) -> None:
+    """``sub``, which returns one value, returns it as a tuple of one."""
+    out = sub.graph.output_node()
+    out.args = ((out.args[0],),)
+    sub.recompile()
