@@ -256,8 +256,9 @@ def test_kernels_only_keeps_opaque_copies_and_runs_2d_convs_as_inductor_does():
         replay = screen._kernels_only(run, layout_opt)
         with Spy() as spy:
             replay()
-        assert [op for op, _ in spy.calls] == [torch.ops.convlower.dense, torch.ops.aten.convolution]
-        conv_args = spy.calls[1][1]
+        calls = [(op, a) for op, a in spy.calls if op is not torch.ops.aten.clone]  # layout copies
+        assert [op for op, _ in calls] == [torch.ops.convlower.dense, torch.ops.aten.convolution]
+        conv_args = calls[1][1]
         assert conv_args[0].is_contiguous(memory_format=fmt)
         assert conv_args[1].is_contiguous(memory_format=fmt)
 
@@ -319,3 +320,39 @@ def test_a_backward_that_cannot_be_traced_is_screened_untraced(cache, monkeypatc
     site = site_of_call(call, "backward", [False, True, True])
     times = screen.eager_screen(site, [RULES["patchify_mm"]], None)
     assert times["patchify_mm"] > 0
+
+
+def test_kernels_only_times_the_layout_copies_nothing_can_fuse():
+    """Under Inductor's layout optimisation a 2-D conv's weight (a graph input) is copied to
+    channels-last on every call, and so are frames an opaque copy made of a graph input: the
+    replay runs those copies.  Frames of a produced input are written in that layout by their
+    producer: no copy."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
+
+    def run():
+        dense = torch.ops.convlower.dense(x.transpose(2, 3))
+        return torch.ops.aten.convolution(dense, w, None, [1, 1], [0, 0], [1, 1],
+                                          False, [0, 0], 1)
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.clone, torch.ops.aten.copy_,
+                                       torch.ops.aten._to_copy):
+                self.shapes.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    copied = {}
+    for layout_opt, fixed in ((False, True), (True, False), (True, True)):
+        replay = screen._kernels_only(run, layout_opt, input_fixed=fixed)
+        with Copies() as spy:
+            replay()
+        copied[layout_opt, fixed] = sorted(spy.shapes)
+    assert copied[False, True] == []                          # eager's layout: nothing to copy
+    assert copied[True, False] == [(4, 3, 3, 3)]              # the weight
+    assert copied[True, True] == [(2, 3, 8, 8), (4, 3, 3, 3)]  # and the graph input's frames

@@ -81,7 +81,8 @@ def eager_screen(site: ConvSite, candidates: Sequence[Rule],
             fns[rule.name] = _bound(emission.build(site, rule, compute_dtype), args,
                                     torch.channels_last if site.layout_opt else None,
                                     live=site.backward)
-            fns[rule.name + KERNELS] = _kernels_only(fns[rule.name], site.layout_opt)
+            fns[rule.name + KERNELS] = _kernels_only(fns[rule.name], site.layout_opt,
+                                                      not site.input_produced)
     fmt = inductor_format(site)
     if EAGER_CONV in candidates and fmt is not None:
         fns[EAGER_CONV.name] = _bound(emission.build(site, EAGER_CONV), args)
@@ -115,23 +116,47 @@ def predicted(times: dict, name: str) -> float:
     return times.get(name + KERNELS, times[name])
 
 
-def _kernels_only(run: Callable[[], object], layout_opt: bool = False) -> Callable[[], object]:
+def _kernels_only(run: Callable[[], object], layout_opt: bool = False,
+                  input_fixed: bool = False) -> Callable[[], object]:
     """The GEMM / conv kernels and opaque copies of one eager run of ``run``, replayed on the
     inputs they got: what the rule costs once Inductor has fused its other copies away.  With
     ``layout_opt`` (Inductor's layout optimisation, on CPU with mkldnn) its 2-D convs run
-    channels-last, as the compiled code runs them (in bf16 that is the faster layout)."""
+    channels-last, as the compiled code runs them (in bf16 that is the faster layout), and the
+    copies into that layout that nothing can fuse are timed too: a weight's (a graph input), a
+    saved activation's, and the activation's when ``input_fixed`` (the site's input or
+    gradient is a graph input: its frames, copied by an opaque op, are copied once more)."""
     calls = ti.record_ops(run, _KERNELS | _opaque_ops())
-    if layout_opt:
-        calls = [(f, _channels_last(args) if f.overloadpacket in _CONVS else args, kw)
-                 for f, args, kw in calls]
+    steps = []
+    for f, args, kw in calls:
+        if layout_opt and f.overloadpacket in _CONVS:
+            copies = [a for i, a in enumerate(args) if _fixed(f, i, input_fixed)
+                      and _needs_channels_last(a)]
+            steps.append((copies, f, _channels_last(args), kw))
+        else:
+            steps.append(((), f, args, kw))
     device = next((a.device for _, args, _ in calls for a in args
                    if isinstance(a, torch.Tensor)), None)
 
     def replay():
-        for func, args, kwargs in calls:
+        for copies, func, args, kwargs in steps:
+            for a in copies:
+                a.contiguous(memory_format=torch.channels_last)
             func(*args, **kwargs)
         _device.sync(device)
     return replay
+
+
+def _fixed(func, index: int, input_fixed: bool) -> bool:
+    """Whether argument ``index`` of a conv call is a value no producer can write in the conv's
+    layout: the weight, a backward's saved input, and the activation / gradient when fixed."""
+    if func.overloadpacket is _aten.convolution_backward:   # (grad_output, input, weight, ...)
+        return index in (1, 2) or (index == 0 and input_fixed)
+    return index == 1 or (index == 0 and input_fixed)
+
+
+def _needs_channels_last(a) -> bool:
+    return (isinstance(a, torch.Tensor) and a.dim() == 4
+            and not a.is_contiguous(memory_format=torch.channels_last))
 
 
 def _opaque_ops() -> set:
