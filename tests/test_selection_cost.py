@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import convlower
 from convlower import selection, torch_internals
@@ -151,7 +152,7 @@ def test_kernels_only_replays_the_rules_gemm_alone(cache):
     calls = ti.record_ops(run, screen._KERNELS)
     assert [f.overloadpacket for f, _, _ in calls] in ([torch.ops.aten.mm],
                                                         [torch.ops.aten.addmm])
-    every = ti.record_ops(run, {f.overloadpacket for f in _all_ops(run)})
+    every = ti.record_ops(run, set(_all_ops(run)))
     assert len(every) > len(calls)  # the copies were there, and are not replayed
 
 
@@ -168,23 +169,26 @@ def test_a_backward_is_screened_without_the_forward_gemm_its_autograd_runs(cache
         seen.clear()
         screen.eager_screen(site_of_call(call, phase, mask), [RULES["patchify_mm"]], None)
         ran = _all_ops(seen["patchify_mm"])
-        assert sum(f.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm)
-                   for f in ran) == gemms
+        assert sum(op in (torch.ops.aten.mm, torch.ops.aten.addmm) for op in ran) == gemms
 
 
-def _all_ops(run):
-    from torch.utils._python_dispatch import TorchDispatchMode
+class _Spy(TorchDispatchMode):
+    """Every op run within, with its arguments."""
 
-    seen = []
+    def __init__(self):
+        super().__init__()
+        self.calls = []
 
-    class All(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(func)
-            return func(*args, **(kwargs or {}))
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func.overloadpacket, args))
+        return func(*args, **(kwargs or {}))
 
-    with All():
+
+def _all_ops(run) -> list:
+    """The op packets ``run`` dispatches, in order."""
+    with _Spy() as spy:
         run()
-    return seen
+    return [op for op, _ in spy.calls]
 
 
 def test_a_loss_only_through_copies_is_a_close_call_not_a_clear_loss(screened, no_compiles):
@@ -230,31 +234,24 @@ def test_exhaustive_measures_with_the_real_timer_inside_a_compile(cache, monkeyp
     assert entry.timings["aten"] > 0 and entry.timings["time_fold_conv2d"] > 0
 
 
+def _dense_then_conv(x, w, then=lambda t: t):
+    """A rule's shape in miniature: an opaque copy of a graph input, then a 2-D conv."""
+    def run():
+        dense = torch.ops.convlower.dense(x.transpose(2, 3))
+        return torch.ops.aten.convolution(then(dense), w, None, [1, 1], [0, 0], [1, 1],
+                                          False, [0, 0], 1)
+    return run
+
+
 def test_kernels_only_keeps_opaque_copies_and_runs_2d_convs_as_inductor_does():
     """convlower::dense on a graph input survives compilation (nothing can fuse it), so the
     compiled figure includes it; under Inductor's layout optimisation a 2-D conv runs
     channels-last, so its replay does too.  A fusable copy (the add) is left out."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
-
-    def run():
-        dense = torch.ops.convlower.dense(x.transpose(2, 3))
-        return torch.ops.aten.convolution(dense + 1, w, None, [1, 1], [0, 0], [1, 1],
-                                          False, [0, 0], 1)
-
-    class Spy(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.calls.append((func.overloadpacket, args))
-            return func(*args, **(kwargs or {}))
-
+    run = _dense_then_conv(x, w, then=lambda t: t + 1)
     for layout_opt, fmt in ((False, torch.contiguous_format), (True, torch.channels_last)):
         replay = screen._kernels_only(run, layout_opt)
-        with Spy() as spy:
+        with _Spy() as spy:
             replay()
         calls = [(op, a) for op, a in spy.calls if op is not torch.ops.aten.clone]  # layout copies
         assert [op for op, _ in calls] == [torch.ops.convlower.dense, torch.ops.aten.convolution]
@@ -327,32 +324,16 @@ def test_kernels_only_times_the_layout_copies_nothing_can_fuse():
     channels-last on every call, and so are frames an opaque copy made of a graph input: the
     replay runs those copies.  Frames of a produced input are written in that layout by their
     producer: no copy."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
-
-    def run():
-        dense = torch.ops.convlower.dense(x.transpose(2, 3))
-        return torch.ops.aten.convolution(dense, w, None, [1, 1], [0, 0], [1, 1],
-                                          False, [0, 0], 1)
-
-    class Copies(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.shapes = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket in (torch.ops.aten.clone, torch.ops.aten.copy_,
-                                       torch.ops.aten._to_copy):
-                self.shapes.append(tuple(args[0].shape))
-            return func(*args, **(kwargs or {}))
-
+    run = _dense_then_conv(x, w)
+    copies = (torch.ops.aten.clone, torch.ops.aten.copy_, torch.ops.aten._to_copy)
     copied = {}
     for layout_opt, fixed in ((False, True), (True, False), (True, True)):
         replay = screen._kernels_only(run, layout_opt, input_fixed=fixed)
-        with Copies() as spy:
+        with _Spy() as spy:
             replay()
-        copied[layout_opt, fixed] = sorted(spy.shapes)
+        copied[layout_opt, fixed] = sorted(tuple(args[0].shape) for op, args in spy.calls
+                                           if op in copies)
     assert copied[False, True] == []                          # eager's layout: nothing to copy
     assert copied[True, False] == [(4, 3, 3, 3)]              # the weight
     assert copied[True, True] == [(2, 3, 8, 8), (4, 3, 3, 3)]  # and the graph input's frames
