@@ -337,6 +337,6 @@ def kernel_builds_quiet():
 # Whole compiled functions saved to disk (torch's AOT compile) live in torch_saved.py.
 from .torch_saved import (can_save_compiled, compile_saveable,  # noqa: E402,F401
                           deserialize_compiled, dropped_guards, guard_passes,
-                          inductor_config_digest, saveable_split,
+                          inductor_config_digest, part_caller, saveable_split,
                           serialize_compiled, skip_saved_guard_check, traced_sources,
                           without_dynamo_disable)

@@ -186,18 +186,22 @@ def _deserialize_split(data: bytes):
     for node in gm.graph.nodes:
         if node.op == "call_module" and node.target in parts:
             name = node.target
-            node.op, node.target = "call_function", _calling(name, *parts[name])
+            node.op, node.target = "call_function", part_caller(name, *parts[name])
             gm.delete_submodule(name)
     gm.recompile()
     return gm, parts
 
 
-def _calling(name: str, fn, single: bool):
-    # A reloaded AOTAutograd entry returns its outputs as a sequence, also for a part that
-    # returned one value when it was compiled (compile_fx unwrapped it then).
-    def call(*args):
-        out = fn(*args)
-        return out[0] if single else out
+def part_caller(name: str, fn, single: bool):
+    """A function named ``name`` that calls compiled part ``fn``, which returns a sequence
+    (a reloaded AOTAutograd entry does, also for a part that returned one value when it was
+    compiled); ``single``: the part's value is that sequence's one element."""
+    if single:
+        def call(*args):
+            return fn(*args)[0]
+    else:
+        def call(*args):
+            return fn(*args)
 
     call.__name__ = call.__qualname__ = name
     return call

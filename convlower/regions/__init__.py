@@ -58,16 +58,8 @@ def _call_compiled(split_gm: torch.fx.GraphModule, part: str, fn: Callable,
     ``fn`` returns a sequence; ``single``: the part's value is its one element.
     ``split_gm.meta["compiled_parts"]`` names them, for a saved compile (torch_saved.py).
     A UNet step calls some 30 parts: each layer of wrapper left out is 2-5 us per part."""
-    run = ti.without_dynamo_disable(fn)   # Dynamo is off already: it calls the split graph
-
-    if single:
-        def call(*args):
-            return run(*args)[0]
-    else:
-        def call(*args):
-            return run(*args)
-
-    call.__name__ = call.__qualname__ = f"compiled_{part}"
+    # Dynamo is off already: it calls the split graph through its own disable wrapper
+    call = ti.part_caller(f"compiled_{part}", ti.without_dynamo_disable(fn), single)
     split_gm.meta.setdefault("compiled_parts", {})[call.__name__] = (fn, single)
     for node in split_gm.graph.nodes:
         if node.op == "call_module" and node.target == part:
