@@ -35,6 +35,64 @@ def record_ops(run: Callable[[], object], packets: set) -> list:
     return calls
 
 
+def record_kernels(run: Callable[[], object], packets: set, fusable: Sequence[torch.Tensor],
+                   output_fusable: bool) -> list:
+    """``run()`` once; the ``(op, args, kwargs)`` of each op its compiled code surely runs as a
+    kernel of its own, with the real arguments it got: every op in ``packets`` (extern GEMMs and
+    convs, opaque ops), and one op per chain of other ops that no kernel of the model can absorb.
+    Such a chain reads only graph inputs outside ``fusable`` and outputs of ``packets`` ops,
+    and feeds a ``packets`` op or leaves ``run`` (unless ``output_fusable``: a consumer of the
+    result fuses it); Inductor makes it one kernel, so its last op is its cost (a sum of conv
+    outputs, a bias gradient's reduction).  An op reading a ``fusable`` value (an activation an
+    op of the model writes) fuses into that producer: it costs nothing here.  Views are free."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    def storages(tree) -> list:
+        return [t.untyped_storage().data_ptr() for t in tree_leaves(tree)
+                if isinstance(t, torch.Tensor) and t.numel()]
+
+    free = set(storages(list(fusable)))
+    calls, timed, pending, alive = [], [], {}, []  # pending: storage -> unconsumed chain ends
+
+    def ends(keys) -> None:
+        for k in keys:
+            for i in pending.pop(k, ()):
+                timed[i] = True
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            alive.append(out)  # no storage is freed and reused while recording
+            ins, outs = storages((args, kwargs)), storages(out)
+            mutable = func._schema.is_mutable
+            if func.overloadpacket in packets:
+                ends(ins)
+                calls.append((func, args, kwargs))
+                timed.append(True)
+            elif not ins or (not mutable and set(outs) <= set(ins)):
+                pass  # a factory, or a view (free where what it views is)
+            elif set(ins) & free:
+                free.update(outs)
+            else:
+                written = set(outs) if mutable else set()
+                for k in set(ins) - written:
+                    pending.pop(k, None)  # read by this op: fused into its kernel
+                calls.append((func, args, kwargs))
+                timed.append(False)
+                for k in outs:
+                    pending[k] = pending.get(k, []) + [len(calls) - 1] if k in written \
+                        else [len(calls) - 1]
+            return out
+
+    with Record():
+        result = run()
+    if not output_fusable:
+        ends(storages(result))
+    return [c for c, t in zip(calls, timed) if t]
+
+
 @contextlib.contextmanager
 def autograd_inside_custom_op():
     """Autograd on inside a custom op's implementation: its wrapper runs it below autograd

@@ -245,17 +245,19 @@ def _dense_then_conv(x, w, then=lambda t: t):
 
 def test_kernels_only_keeps_opaque_copies_and_runs_2d_convs_as_inductor_does():
     """convlower::dense on a graph input survives compilation (nothing can fuse it), so the
-    compiled figure includes it; under Inductor's layout optimisation a 2-D conv runs
-    channels-last, so its replay does too.  A fusable copy (the add) is left out."""
+    compiled figure includes it, and so does an op reading its output (no kernel can absorb
+    that one); under Inductor's layout optimisation a 2-D conv runs channels-last, so its
+    replay does too."""
     x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
     run = _dense_then_conv(x, w, then=lambda t: t + 1)
     for layout_opt, fmt in ((False, torch.contiguous_format), (True, torch.channels_last)):
-        replay = screen._kernels_only(run, layout_opt)
+        replay = screen._kernels_only(run, [x, w], layout_opt)
         with _Spy() as spy:
             replay()
         calls = [(op, a) for op, a in spy.calls if op is not torch.ops.aten.clone]  # layout copies
-        assert [op for op, _ in calls] == [torch.ops.convlower.dense, torch.ops.aten.convolution]
-        conv_args = calls[1][1]
+        assert [op for op, _ in calls] == [torch.ops.convlower.dense, torch.ops.aten.add,
+                                           torch.ops.aten.convolution]
+        conv_args = calls[2][1]
         assert conv_args[0].is_contiguous(memory_format=fmt)
         assert conv_args[1].is_contiguous(memory_format=fmt)
 
@@ -329,7 +331,7 @@ def test_kernels_only_times_the_layout_copies_nothing_can_fuse():
     copies = (torch.ops.aten.clone, torch.ops.aten.copy_, torch.ops.aten._to_copy)
     copied = {}
     for layout_opt, fixed in ((False, True), (True, False), (True, True)):
-        replay = screen._kernels_only(run, layout_opt, input_fixed=fixed)
+        replay = screen._kernels_only(run, [x, w], layout_opt, input_produced=not fixed)
         with _Spy() as spy:
             replay()
         copied[layout_opt, fixed] = sorted(tuple(args[0].shape) for op, args in spy.calls
@@ -337,3 +339,52 @@ def test_kernels_only_times_the_layout_copies_nothing_can_fuse():
     assert copied[False, True] == []                          # eager's layout: nothing to copy
     assert copied[True, False] == [(4, 3, 3, 3)]              # the weight
     assert copied[True, True] == [(2, 3, 8, 8), (4, 3, 3, 3)]  # and the graph input's frames
+
+
+def _taps(x, w):
+    """A multi-tap rule's shape in miniature: two convs on slices of the input, then the sum of
+    their outputs (and a bias added to it)."""
+    conv = lambda t, k: torch.ops.aten.convolution(t, w[:, :, k], None, [1, 1], [0, 0], [1, 1],
+                                                   False, [0, 0], 1)
+    return lambda: conv(x[:, :, 0] * 2, 0) + conv(x[:, :, 1] * 2, 1) + 1
+
+
+def test_kernels_only_times_one_op_per_chain_nothing_of_the_model_can_absorb():
+    """Compiled, the sum of two conv outputs (and the bias added to it) is one kernel of its
+    own: nothing of the model can absorb it unless the result's consumer does.  The slices'
+    scaling feeds the convs: one kernel each unless an op of the graph makes the input (then
+    its producer writes them)."""
+    x, w = torch.randn(2, 3, 2, 8, 8), torch.randn(4, 3, 2, 3, 3)
+    ran = {}
+    for produced, consumed in ((False, False), (True, False), (True, True), (False, True)):
+        replay = screen._kernels_only(_taps(x, w), [x, w], False, produced, consumed)
+        with _Spy() as spy:
+            replay()
+        ran[produced, consumed] = [op.__name__.split(".")[0] for op, _ in spy.calls]
+    assert ran[False, False] == ["mul", "convolution", "mul", "convolution", "add"]
+    assert ran[True, False] == ["convolution", "convolution", "add"]
+    assert ran[True, True] == ["convolution", "convolution"]
+    assert ran[False, True] == ["mul", "convolution", "mul", "convolution"]
+
+
+def test_a_bias_gradient_reduction_is_timed_with_the_rules_gemm(cache):
+    """patchify_mm's backward sums the output gradient for the bias: compiled, a reduction
+    kernel of its own beside the weight gradient's GEMM when that gradient is a graph input
+    (the original's conv backward sums inside its kernel).  Made by an op of the graph, the
+    sum fuses into that op's kernel."""
+    from convlower.decompositions import emission
+    from convlower.selection.inputs import real_inputs
+
+    call = ConvCall.from_args([torch.randn(2, 3, 8, 8), torch.randn(6, 3, 4, 4), torch.randn(6),
+                               (4, 4), (0, 0), (1, 1), False, (0, 0), 1])
+    site = site_of_call(call, "backward", [False, True, True])
+    args = real_inputs(site)
+    traced = torch_internals.trace_live(emission.build(site, RULES["patchify_mm"]), args)
+    ran = {}
+    for produced in (False, True):  # the output gradient a graph input, or made by an op
+        replay = screen._kernels_only(lambda: traced(*args), args, False, produced, False)
+        with _Spy() as spy:
+            replay()
+        ran[produced] = {op for op, _ in spy.calls}
+    assert torch.ops.aten.sum in ran[False] and torch.ops.aten.mm in ran[False]
+    assert torch.ops.aten.sum not in ran[True] and torch.ops.aten.mm in ran[True]  # fused

@@ -81,8 +81,9 @@ def eager_screen(site: ConvSite, candidates: Sequence[Rule],
             fns[rule.name] = _bound(emission.build(site, rule, compute_dtype), args,
                                     torch.channels_last if site.layout_opt else None,
                                     live=site.backward)
-            fns[rule.name + KERNELS] = _kernels_only(fns[rule.name], site.layout_opt,
-                                                      not site.input_produced)
+            fns[rule.name + KERNELS] = _kernels_only(
+                fns[rule.name], args, site.layout_opt, site.input_produced,
+                site.output_consumed and not site.backward)
     fmt = inductor_format(site)
     if EAGER_CONV in candidates and fmt is not None:
         fns[EAGER_CONV.name] = _bound(emission.build(site, EAGER_CONV), args)
@@ -116,26 +117,33 @@ def predicted(times: dict, name: str) -> float:
     return times.get(name + KERNELS, times[name])
 
 
-def _kernels_only(run: Callable[[], object], layout_opt: bool = False,
-                  input_fixed: bool = False) -> Callable[[], object]:
-    """The GEMM / conv kernels and opaque copies of one eager run of ``run``, replayed on the
-    inputs they got: what the rule costs once Inductor has fused its other copies away.  With
-    ``layout_opt`` (Inductor's layout optimisation, on CPU with mkldnn) its 2-D convs run
-    channels-last, as the compiled code runs them (in bf16 that is the faster layout), and the
-    copies into that layout that nothing can fuse are timed too: a weight's (a graph input), a
-    saved activation's, and the activation's when ``input_fixed`` (the site's input or
-    gradient is a graph input: its frames, copied by an opaque op, are copied once more)."""
-    calls = ti.record_ops(run, _KERNELS | _opaque_ops())
+def _kernels_only(run: Callable[[], object], args: list, layout_opt: bool = False,
+                  input_produced: bool = True, output_consumed: bool = True) -> Callable[[], object]:
+    """The kernels of one eager run of ``run`` that its compiled code surely runs, replayed on
+    the inputs they got: what the rule costs once Inductor has fused its other ops away.  Those
+    are its GEMM / conv kernels, its opaque copies, and one op per chain of other ops that
+    nothing of the model can absorb (``torch_dispatch.record_kernels``: the sum of a
+    multi-tap rule's conv outputs, a bias gradient's reduction; an op reading the activation
+    fuses into its producer when ``input_produced``: an op of the graph makes it; an op making
+    the result fuses into its consumer when ``output_consumed``).  With Inductor's layout
+    optimisation (``layout_opt``, on CPU with mkldnn) its 2-D convs run channels-last, as
+    the compiled code runs them (in bf16 that is the faster layout), and the copies into that
+    layout that nothing can fuse are timed too: a weight's (a graph input), a saved
+    activation's, and the activation's when it is a graph input (its frames, copied by an
+    opaque op, are copied once more)."""
+    input_fixed = not input_produced
+    calls = ti.record_kernels(run, _KERNELS | _opaque_ops(),
+                             fusable=args[:1] if input_produced else [],
+                             output_fusable=output_consumed)
     steps = []
-    for f, args, kw in calls:
+    for f, got, kw in calls:
         if layout_opt and f.overloadpacket in _CONVS:
-            copies = [a for i, a in enumerate(args) if _fixed(f, i, input_fixed)
+            copies = [a for i, a in enumerate(got) if _fixed(f, i, input_fixed)
                       and _needs_channels_last(a)]
-            steps.append((copies, f, _channels_last(args), kw))
+            steps.append((copies, f, _channels_last(got), kw))
         else:
-            steps.append(((), f, args, kw))
-    device = next((a.device for _, args, _ in calls for a in args
-                   if isinstance(a, torch.Tensor)), None)
+            steps.append(((), f, got, kw))
+    device = args[0].device
 
     def replay():
         for copies, func, args, kwargs in steps:
