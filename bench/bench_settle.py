@@ -8,7 +8,9 @@ process with empty caches:
    calls (compiled measurement, stored, recompiled): the warm-up's first compile, its extra
    measuring seconds and its recompile are printed;
 3. with an empty decision cache of its own, ``select="exhaustive"`` compiles it (every eligible
-   conv measured compiled): the reference choice; ``select="always"`` too where asked;
+   conv measured compiled): the reference choice; then once more with another empty cache
+   (how often the measurement picks the same rule twice: the ceiling of any screen's
+   agreement); ``select="always"`` too where asked;
 4. steps of eager, Inductor, the warm-up's model, exhaustive's (and always's) interleaved.
 
 Printed per row: warm-up step / exhaustive step (goal <= 1.03), / always (the ViT patch
@@ -186,6 +188,14 @@ def worker(args) -> dict:
     fns["exhaustive"] = torch.compile(model, backend="convlower", options={"select": "exhaustive"})
     exhaustive_s = _first(fns["exhaustive"], inputs, args.train, params)
     ex_recs = list(convlower.report().convolutions)
+    # the measurement's own repeatability: exhaustive once more, with an empty cache again
+    selection.set_cache_dir(tempfile.mkdtemp(prefix="bench-settle-again-"))
+    selection.clear_memory()
+    convlower.reset_report()
+    _first(torch.compile(model, backend="convlower", options={"select": "exhaustive"}),
+           inputs, args.train, params)
+    again = _picks([c for c in convlower.report().convolutions if "aten" in c.timings],
+                   ("measurement",))
     if args.always:
         fns["always"] = torch.compile(model, backend="convlower", options={"select": "always"})
         _step(fns["always"], inputs, args.train, params)
@@ -207,6 +217,8 @@ def worker(args) -> dict:
             "changed": [f"{s.conv}: {s.rule}" for s in se.changed], "left_open": se.left_open,
             "settle_s": se.seconds, "recompile_s": se.recompile_s,
             "agree": sum(screen[k] == measured[k] for k in both), "compared": len(both),
+            "repeat": sum(again.get(k) == v for k, v in measured.items()),
+            "repeat_of": len(measured),
             "equivalent": sum(_equivalent(screen[k], measured[k], ex_t[k]) for k in both),
             "disagree": disagree,
             "exhaustive_rules": sorted({str(c.rule) for c in ex_recs}),
@@ -277,7 +289,7 @@ def main() -> None:
         print(json.dumps(worker(args)))
         return
     print(HEAD, flush=True)
-    agree = compared = equivalent = 0
+    agree = compared = equivalent = repeat = repeat_of = 0
     notes = []
     from convlower.selection import measure, seeds
 
@@ -290,6 +302,7 @@ def main() -> None:
                 notes += [f"{model} {dtype}: {d}" for d in r.get("disagree", [])]
                 agree, compared = agree + r.get("agree", 0), compared + r.get("compared", 0)
                 equivalent += r.get("equivalent", 0)
+                repeat, repeat_of = repeat + r.get("repeat", 0), repeat_of + r.get("repeat_of", 0)
                 if args.write_seeds and r.get("entries"):
                     n = seeds.export(r["entries"], measure.METHOD, seeds.SEED_FILE,
                                      f"bench/bench_settle.py {time.strftime('%Y-%m-%d')}")
@@ -302,6 +315,10 @@ def main() -> None:
               f"(goal >= 90%) the same rule; {equivalent}/{compared} = "
               f"{equivalent / compared:.0%} a pick within {measure.MARGIN:.0%} of exhaustive's "
               f"(by exhaustive's compiled figures)")
+    if repeat_of:
+        print(f"exhaustive against itself (a second measurement, same process, empty cache): "
+              f"{repeat}/{repeat_of} = {repeat / repeat_of:.0%} the same rule: no screen can "
+              f"agree with the measurement more often than the measurement agrees with itself")
 
 
 if __name__ == "__main__":

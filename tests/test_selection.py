@@ -359,7 +359,8 @@ def test_measured_original_returns_its_output_in_eagers_layout(cache):
 
 def test_pass_tells_measure_whether_input_is_produced_and_output_consumed(cache):
     """The measurement reproduces the conv's context: a graph-input activation keeps its
-    layout, a produced one may take Inductor's; a returned output is materialised."""
+    layout, a produced one may take Inductor's; a returned output (or a view of it) is
+    materialised."""
     seen = []
     real_benchmarks = measure.benchmarks
 
@@ -372,7 +373,9 @@ def test_pass_tells_measure_whether_input_is_produced_and_output_consumed(cache)
     selection.set_timer(stub({"aten": 1.0}, default=3.0))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(measure, "benchmarks", spy)
-        for fn, want in ((conv, (False, False)), (lambda v: conv(v.relu()).relu(), (True, True))):
+        for fn, want in ((conv, (False, False)), (lambda v: conv(v.relu()).relu(), (True, True)),
+                         # a view of the output leaves the graph: it is materialised too
+                         (lambda v: conv(v.relu()).flatten(2).transpose(1, 2), (True, False))):
             torch._dynamo.reset()
             convlower.reset_report()
             seen.clear()

@@ -38,14 +38,16 @@ def site_of(node: torch.fx.Node, graph_name: str, layout_opt: bool = False) -> C
                     node.name, inputs, node.meta["val"],
                     pad_fold=folded.fold if folded else None,
                     input_produced=_produced(folded.source if folded else node.args[0]),
-                    output_consumed=all(u.op != "output" for u in node.users),
+                    output_consumed=not _leaves(node),
                     layout_opt=layout_opt)
 
 
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default,
           torch.ops.aten.expand.default, torch.ops.aten.permute.default,
           torch.ops.aten.slice.Tensor, torch.ops.aten.select.int, torch.ops.aten.squeeze.dim,
-          torch.ops.aten.unsqueeze.default, torch.ops.aten._unsafe_view.default}
+          torch.ops.aten.unsqueeze.default, torch.ops.aten._unsafe_view.default,
+          torch.ops.aten.transpose.int, torch.ops.aten.t.default, torch.ops.aten.alias.default,
+          torch.ops.aten.detach.default}
 
 
 def _produced(value) -> bool:
@@ -54,3 +56,17 @@ def _produced(value) -> bool:
     while isinstance(value, torch.fx.Node) and value.target in _VIEWS:
         value = value.args[0]
     return not (isinstance(value, torch.fx.Node) and value.op == "placeholder")
+
+
+def _leaves(node: torch.fx.Node) -> bool:
+    """Whether the value, or a view of it, is returned or saved: then it is made in its own
+    layout by a kernel of its own, which no op reading it absorbs (a ViT patch embedding's
+    conv output leaves the graph as ``flatten(2).transpose(1, 2)``)."""
+    users = list(node.users)
+    while users:
+        user = users.pop()
+        if user.op == "output":
+            return True
+        if user.target in _VIEWS:
+            users.extend(user.users)
+    return False
