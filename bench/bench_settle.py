@@ -162,7 +162,7 @@ def worker(args) -> dict:
     import torch
 
     import convlower
-    from convlower import selection
+    from convlower import selection, torch_internals as ti
     from convlower.tools import zoo
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
@@ -188,21 +188,30 @@ def worker(args) -> dict:
     fns["exhaustive"] = torch.compile(model, backend="convlower", options={"select": "exhaustive"})
     exhaustive_s = _first(fns["exhaustive"], inputs, args.train, params)
     ex_recs = list(convlower.report().convolutions)
-    # the measurement's own repeatability: exhaustive once more, with an empty cache again
+    # a conv measure found too small to compile candidates for has no compiled figure
+    measured = _picks([c for c in ex_recs if "aten" in c.timings], ("measurement",))
+    exhaustive_dir = selection.cache_dir()
+    # the measurement's own repeatability: exhaustive once more, with an empty decision cache
+    # again and Inductor's caches off (a cached graph of the same options would be served
+    # without running the pass, hence without measuring)
     selection.set_cache_dir(tempfile.mkdtemp(prefix="bench-settle-again-"))
     selection.clear_memory()
     convlower.reset_report()
-    _first(torch.compile(model, backend="convlower", options={"select": "exhaustive"}),
-           inputs, args.train, params)
+    with ti.inductor_caches_off():
+        _first(torch.compile(model, backend="convlower", options={"select": "exhaustive"}),
+               inputs, args.train, params)
     again = _picks([c for c in convlower.report().convolutions if "aten" in c.timings],
                    ("measurement",))
+    if set(again) != set(measured):
+        raise RuntimeError(f"the second exhaustive measurement decided {len(again)} convs, "
+                           f"the first {len(measured)}: the repeat figure would be wrong")
+    shutil.rmtree(selection.cache_dir(), ignore_errors=True)
+    selection.set_cache_dir(exhaustive_dir)
     if args.always:
         fns["always"] = torch.compile(model, backend="convlower", options={"select": "always"})
         _step(fns["always"], inputs, args.train, params)
     med = _interleaved(fns, inputs, args.train, params)
     screen = _picks(warm_recs, ("screen", "cache"))
-    # a conv measure found too small to compile candidates for has no compiled figure
-    measured = _picks([c for c in ex_recs if "aten" in c.timings], ("measurement",))
     both = [k for k in screen if k in measured]
     screens, ex_t = {}, {}
     for c in warm_recs:  # the first compile's figures (the recompile after settling follows)

@@ -40,57 +40,121 @@ def record_kernels(run: Callable[[], object], packets: set, fusable: Sequence[to
     """``run()`` once; the ``(op, args, kwargs)`` of each op its compiled code surely runs as a
     kernel of its own, with the real arguments it got: every op in ``packets`` (extern GEMMs and
     convs, opaque ops), and one op per chain of other ops that no kernel of the model can absorb.
-    Such a chain reads only graph inputs outside ``fusable`` and outputs of ``packets`` ops,
-    and feeds a ``packets`` op or leaves ``run`` (unless ``output_fusable``: a consumer of the
-    result fuses it); Inductor makes it one kernel, so its last op is its cost (a sum of conv
-    outputs, a bias gradient's reduction).  An op reading a ``fusable`` value (an activation an
-    op of the model writes) fuses into that producer: it costs nothing here.  Views are free."""
+    Such a chain reads graph inputs outside ``fusable`` and outputs of ``packets`` ops, and
+    feeds a ``packets`` op or leaves ``run`` (unless ``output_fusable``: a consumer of the
+    result fuses it); Inductor makes it one kernel, so its op moving the most bytes stands for
+    it (a sum of conv outputs, a bias gradient's reduction).  An op reading only ``fusable``
+    values (an activation an op of the model writes) fuses into their producer: it costs
+    nothing here.  Views are free.  Every intermediate stays alive while recording."""
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
 
-    def storages(tree) -> list:
-        return [t.untyped_storage().data_ptr() for t in tree_leaves(tree)
-                if isinstance(t, torch.Tensor) and t.numel()]
-
-    free = set(storages(list(fusable)))
-    calls, timed, pending, alive = [], [], {}, []  # pending: storage -> unconsumed chain ends
-
-    def ends(keys) -> None:
-        for k in keys:
-            for i in pending.pop(k, ()):
-                timed[i] = True
+    chains = _Chains(_storages(list(fusable)), packets)
 
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            alive.append(out)  # no storage is freed and reused while recording
-            ins, outs = storages((args, kwargs)), storages(out)
-            mutable = func._schema.is_mutable
-            if func.overloadpacket in packets:
-                ends(ins)
-                calls.append((func, args, kwargs))
-                timed.append(True)
-            elif not ins or (not mutable and set(outs) <= set(ins)):
-                pass  # a factory, or a view (free where what it views is)
-            elif set(ins) & free:
-                free.update(outs)
-            else:
-                written = set(outs) if mutable else set()
-                for k in set(ins) - written:
-                    pending.pop(k, None)  # read by this op: fused into its kernel
-                calls.append((func, args, kwargs))
-                timed.append(False)
-                for k in outs:
-                    pending[k] = pending.get(k, []) + [len(calls) - 1] if k in written \
-                        else [len(calls) - 1]
+            chains.add(func, args, kwargs, out)
             return out
 
     with Record():
         result = run()
     if not output_fusable:
-        ends(storages(result))
-    return [c for c, t in zip(calls, timed) if t]
+        chains.end(_storages(result))
+    return chains.kernels()
+
+
+def _storages(tree) -> list:
+    from torch.utils._pytree import tree_leaves
+
+    return [t.untyped_storage().data_ptr() for t in tree_leaves(tree)
+            if isinstance(t, torch.Tensor) and t.numel()]
+
+
+class _Chains:
+    """The ops of one eager run grouped as Inductor would fuse them (see record_kernels)."""
+
+    def __init__(self, free: list, packets: set):
+        self.free, self.made, self.packets = set(free), set(), packets
+        self.calls, self.packet, self.bytes, self.parent = [], [], [], []
+        self.pending: dict = {}  # storage -> the chain ops that wrote its value
+        self.ended: set = set()  # chains some kernel or the output reads
+        self.alive: list = []    # every value: no storage is freed and reused while recording
+
+    def find(self, i: int) -> int:
+        while self.parent[i] != i:
+            i = self.parent[i]
+        return i
+
+    def end(self, keys) -> None:
+        self.ended.update(self.find(i) for k in keys for i in self.pending.get(k, ()))
+
+    def add(self, func, args, kwargs, out) -> None:
+        self.alive.append(out)
+        ins, outs = set(_storages((args, kwargs))), _storages(out)
+        if func.overloadpacket in self.packets:
+            self.end(ins)
+            self._call(func, args, kwargs, True, 0)
+            self.made.update(outs)
+            return
+        mutable = func._schema.is_mutable
+        if not ins or (not mutable and set(outs) <= ins):
+            return  # a factory, or a view (free where what it views is)
+        if ins & self.free and not ins & self.made:
+            self.free.update(outs)  # fuses into the model's producer of its input
+            return
+        written = _written(func, args, kwargs) if mutable else set()
+        i = self._call(func, args, kwargs, False, _nbytes((args, kwargs, out)))
+        for k in ins - written:  # it reads a chain's value: the same kernel
+            for j in self.pending.get(k, ()):
+                root = self.find(j)
+                self.parent[root] = i
+                if root in self.ended:
+                    self.ended.add(i)
+        for k, t in _written_tensors(out, written, outs):
+            whole = t.numel() * t.element_size() >= t.untyped_storage().nbytes()
+            self.pending[k] = [i] if whole else self.pending.get(k, []) + [i]
+        self.made.update(outs)
+
+    def _call(self, func, args, kwargs, packet: bool, nbytes: int) -> int:
+        self.calls.append((func, args, kwargs))
+        self.packet.append(packet)
+        self.bytes.append(nbytes)
+        self.parent.append(len(self.parent))
+        return len(self.calls) - 1
+
+    def kernels(self) -> list:
+        heaviest: dict = {}  # an ended chain -> its op moving the most bytes
+        for i in range(len(self.calls)):
+            root = self.find(i)
+            if self.packet[i] or root not in self.ended:
+                continue
+            if root not in heaviest or self.bytes[i] > self.bytes[heaviest[root]]:
+                heaviest[root] = i
+        keep = set(heaviest.values())
+        return [c for i, c in enumerate(self.calls) if self.packet[i] or i in keep]
+
+
+def _written(func, args, kwargs) -> set:
+    """Storages a mutating op writes (its ``Tensor(a!)`` arguments)."""
+    named = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+    return {k for a in func._schema.arguments
+            if a.alias_info is not None and a.alias_info.is_write and a.name in named
+            for k in _storages(named[a.name])}
+
+
+def _written_tensors(out, written: set, outs: list):
+    from torch.utils._pytree import tree_leaves
+
+    tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.numel()]
+    return [(k, t) for k, t in zip(outs, tensors) if not written or k in written]
+
+
+def _nbytes(tree) -> int:
+    from torch.utils._pytree import tree_leaves
+
+    return sum(t.numel() * t.element_size() for t in tree_leaves(tree)
+               if isinstance(t, torch.Tensor))
 
 
 @contextlib.contextmanager

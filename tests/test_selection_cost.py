@@ -388,3 +388,39 @@ def test_a_bias_gradient_reduction_is_timed_with_the_rules_gemm(cache):
         ran[produced] = {op for op, _ in spy.calls}
     assert torch.ops.aten.sum in ran[False] and torch.ops.aten.mm in ran[False]
     assert torch.ops.aten.sum not in ran[True] and torch.ops.aten.mm in ran[True]  # fused
+
+
+def test_a_chain_is_one_kernel_whatever_its_shape():
+    """In-place ops on one buffer are one kernel; an op reading a conv's output cannot fuse
+    into the producer of the activation it also reads; a value one GEMM reads is made even
+    when another op of a fusable chain reads it too; a chain is timed by its heaviest op."""
+    x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
+    conv = lambda t: torch.ops.aten.convolution(t, w, None, [1, 1], [1, 1], [1, 1], False,
+                                                [0, 0], 1)
+    mm = lambda t: torch.ops.aten.mm(t.reshape(4, -1), t.reshape(4, -1).t())
+
+    def in_place():
+        t = w * 2
+        t.add_(1)
+        t.mul_(3)
+        return mm(t)
+
+    def shared():
+        t = w * 2
+        mm(t)
+        return t + 1
+
+    def heaviest():
+        y = conv(x)
+        return (y.to(torch.bfloat16).float() + y * 2).to(torch.bfloat16)
+
+    packets = {torch.ops.aten.mm, torch.ops.aten.convolution}
+    timed = lambda run, fusable, out: [
+        f.overloadpacket.__name__ for f, _, _ in
+        torch_internals.record_kernels(run, packets, fusable, out) if f.overloadpacket not in packets]
+    assert timed(in_place, [], True) == ["mul_"]
+    assert timed(lambda: conv(x) * x[:, :1], [x], False) == ["mul"]
+    assert timed(lambda: conv(x) * x[:, :1], [x], True) == []
+    assert timed(lambda: x[:, :1] * 2, [x], False) == []      # fuses into x's producer
+    assert timed(shared, [], True) == ["mul"]
+    assert timed(heaviest, [], False) == ["add"]

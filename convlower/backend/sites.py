@@ -67,6 +67,15 @@ def _leaves(node: torch.fx.Node) -> bool:
         user = users.pop()
         if user.op == "output":
             return True
-        if user.target in _VIEWS:
+        if _is_view(user):
             users.extend(user.users)
     return False
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """An op whose result aliases its input (``split``'s items included)."""
+    import operator
+
+    target = node.target
+    return target in _VIEWS or target is operator.getitem or \
+        bool(getattr(target, "is_view", False))
