@@ -424,3 +424,13 @@ def test_a_chain_is_one_kernel_whatever_its_shape():
     assert timed(lambda: x[:, :1] * 2, [x], False) == []      # fuses into x's producer
     assert timed(shared, [], True) == ["mul"]
     assert timed(heaviest, [], False) == ["add"]
+
+
+def test_a_screened_win_must_hold_in_every_round():
+    """A candidate's figure is its worst ratio to the original over the rounds (times the
+    original's median): one round disturbed in its favour no longer makes a clear win."""
+    samples = {"aten": [1.0, 2.0, 1.0], "rule": [0.6, 0.6, 0.95], "aten_inductor_layout": [3, 1, 2]}
+    times = screen._every_round(samples)
+    assert times["aten"] == 1.0 and times["aten_inductor_layout"] == 2
+    assert times["rule"] == pytest.approx(0.95)     # the third round: 0.95x, not the median 0.6
+    assert screen._every_round({"aten": [1.0], "rule": [0.5]})["rule"] == 0.5

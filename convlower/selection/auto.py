@@ -27,7 +27,7 @@ from .decision import OPAQUE, Decision, fastest_opaque, label, opaque_of
 # v2: a rule's 2-D convs in Inductor's layout; v3: eager_conv judged under 1 ms too and by the
 # margin, a backward screened without the forward GEMM its autograd runs; v4: kernels alone
 # time the copies into the conv layout that nothing can fuse (a weight, a graph input's frames)
-SCREEN_METHOD = "eager-screen/v5"
+SCREEN_METHOD = "eager-screen/v6"
 # eager_conv wins by the measurement's margin: both its figures are what runs (eager's own call;
 # the original with Inductor's copies), with no compiled fusion for WIN to allow for.
 EAGER_WIN = 1.0 - measure.MARGIN
