@@ -243,3 +243,19 @@ def test_a_clear_winner_is_no_rival_of_itself():
                                  "patchify_mm" + screen.KERNELS: 0.6e-3},
                                 {"patchify_mm": RULES["patchify_mm"]})
     assert rule is RULES["patchify_mm"] and close == set()
+
+
+def test_clear_winners_close_to_each_other_are_settled_at_warm_up():
+    """Several clear wins whose figures lie within the screen's spread of the best (equal
+    forms: the Wan DiT bf16 patch conv) are a close call among them, the best in force
+    meanwhile; a clear win far behind the best is no rival."""
+    from convlower.lowerings import RULES
+    from convlower.selection import auto
+
+    by_name = {n: RULES[n] for n in ("patchify_mm", "time_fold_conv2d", "time_sum_conv2d")}
+    times = {"aten": 1.0, "time_fold_conv2d": 0.46, "time_fold_conv2d" + screen.KERNELS: 0.44,
+             "patchify_mm": 0.58, "patchify_mm" + screen.KERNELS: 0.51,
+             "time_sum_conv2d": 0.8, "time_sum_conv2d" + screen.KERNELS: 0.6}
+    rule, why, close = auto.judge(times, by_name)
+    assert rule is RULES["time_fold_conv2d"] and close == {"time_fold_conv2d", "patchify_mm"}
+    assert "patchify_mm may beat it compiled" in why
