@@ -79,6 +79,12 @@ def _picks(records, how) -> dict:
     return out
 
 
+def _measured(records) -> dict:
+    """{site: pick} of the measured convolution records (a conv measure found too small to
+    compile candidates for has no compiled figure)."""
+    return _picks([c for c in records if "aten" in c.timings], ("measurement",))
+
+
 def _choices(records) -> dict:
     """{site: rule label} of the code that runs: a later record of a site (the warm-up's
     recompile after settling) replaces an earlier one."""
@@ -188,8 +194,7 @@ def worker(args) -> dict:
     fns["exhaustive"] = torch.compile(model, backend="convlower", options={"select": "exhaustive"})
     exhaustive_s = _first(fns["exhaustive"], inputs, args.train, params)
     ex_recs = list(convlower.report().convolutions)
-    # a conv measure found too small to compile candidates for has no compiled figure
-    measured = _picks([c for c in ex_recs if "aten" in c.timings], ("measurement",))
+    measured = _measured(ex_recs)
     exhaustive_dir = selection.cache_dir()
     # the measurement's own repeatability: exhaustive once more, with an empty decision cache
     # again; under options that differ in what does not change a measurement (the fallback on
@@ -201,8 +206,7 @@ def worker(args) -> dict:
     _first(torch.compile(model, backend="convlower",
                          options={"select": "exhaustive", "fallback": "inductor"}),
            inputs, args.train, params)
-    again = _picks([c for c in convlower.report().convolutions if "aten" in c.timings],
-                   ("measurement",))
+    again = _measured(convlower.report().convolutions)
     if set(again) != set(measured):
         raise RuntimeError(f"the second exhaustive measurement decided {len(again)} convs, "
                            f"the first {len(measured)}: the repeat figure would be wrong")

@@ -1,5 +1,5 @@
 """Dispatcher-level and tracing helpers (re-exported by :mod:`convlower.torch_internals`):
-recording the ops a function calls, autograd inside a custom op's implementation, a trace with
+recording the kernels a function's compiled code runs, autograd inside a custom op's implementation, a trace with
 its dead code removed, and the output strides a compiled graph keeps."""
 from __future__ import annotations
 
@@ -9,30 +9,13 @@ import threading
 from typing import Callable, Sequence
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 _C = torch._C
 # What a custom op's autograd wrapper excludes while its implementation runs.
 _AUTOGRAD_KEYS = tuple(getattr(_C.DispatchKey, k) for k in
                        ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor",
                         "ADInplaceOrView") if hasattr(_C.DispatchKey, k))
-
-
-def record_ops(run: Callable[[], object], packets: set) -> list:
-    """``run()`` once; the ``(op, args, kwargs)`` of each aten op in ``packets`` it called,
-    with the real arguments it got (the screen replays them)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    calls = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket in packets:
-                calls.append((func, args, kwargs or {}))
-            return func(*args, **(kwargs or {}))
-
-    with Record():
-        run()
-    return calls
 
 
 def record_kernels(run: Callable[[], object], packets: set, fusable: Sequence[torch.Tensor],
@@ -64,11 +47,14 @@ def record_kernels(run: Callable[[], object], packets: set, fusable: Sequence[to
     return chains.kernels()
 
 
-def _storages(tree) -> list:
-    from torch.utils._pytree import tree_leaves
+def _tensors(tree) -> list:
+    """The tensors with elements in ``tree`` (an empty tensor costs nothing, and may share
+    storage address 0 with any other)."""
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.numel()]
 
-    return [t.untyped_storage().data_ptr() for t in tree_leaves(tree)
-            if isinstance(t, torch.Tensor) and t.numel()]
+
+def _storages(tree) -> list:
+    return [t.untyped_storage().data_ptr() for t in _tensors(tree)]
 
 
 class _Chains:
@@ -111,7 +97,9 @@ class _Chains:
                 self.parent[root] = i
                 if root in self.ended:
                     self.ended.add(i)
-        for k, t in _written_tensors(out, written, outs):
+        for k, t in zip(outs, _tensors(out)):
+            if written and k not in written:
+                continue
             whole = t.numel() * t.element_size() >= t.untyped_storage().nbytes()
             self.pending[k] = [i] if whole else self.pending.get(k, []) + [i]
         self.made.update(outs)
@@ -143,18 +131,8 @@ def _written(func, args, kwargs) -> set:
             for k in _storages(named[a.name])}
 
 
-def _written_tensors(out, written: set, outs: list):
-    from torch.utils._pytree import tree_leaves
-
-    tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.numel()]
-    return [(k, t) for k, t in zip(outs, tensors) if not written or k in written]
-
-
 def _nbytes(tree) -> int:
-    from torch.utils._pytree import tree_leaves
-
-    return sum(t.numel() * t.element_size() for t in tree_leaves(tree)
-               if isinstance(t, torch.Tensor))
+    return sum(t.numel() * t.element_size() for t in _tensors(tree))
 
 
 @contextlib.contextmanager

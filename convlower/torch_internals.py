@@ -314,7 +314,7 @@ from .torch_caches import (cached_graph_guards, caches_disabled,  # noqa: E402,F
 # Dispatcher-level helpers (recording ops, autograd inside a custom op): torch_dispatch.py.
 from .torch_dispatch import (autograd_inside_custom_op, output_strides,  # noqa: E402,F401
                              outputs_keep_strides, quick_op_registration, record_kernels,
-                             record_ops, trace_live)
+                             trace_live)
 
 
 # A generated module's C++ kernels built as a few libraries (torch_kernel_batch.py).

@@ -98,7 +98,7 @@ def test_screen_times_the_op_whole_and_a_3d_original_in_eagers_layout_only():
     3-D conv's original is not also timed channels-last (Inductor never runs it so)."""
     x, w, b = tensors()
     run = lambda: emission.build(site_of_call(conv_call(x, w, b)), RULE)(x, w, b)
-    calls = ti.record_ops(run, screen._opaque_ops())
+    calls = ti.record_kernels(run, screen._opaque_ops(), fusable=[x], output_fusable=True)
     assert [f.overloadpacket for f, _, _ in calls] == [torch.ops.convlower.channels_last_conv]
     assert screen._other_layout([x, w, b]) is None
     x2 = torch.randn(1, 2, 5, 5)

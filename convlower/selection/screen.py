@@ -213,10 +213,10 @@ def _other_layout(args: list) -> Optional[list]:
 
 
 def _time_interleaved(fns: dict, budget_s: float) -> dict:
-    """Median seconds per call of each function, timed in rounds (each round calls every
-    function once, in alternating order) so that a drift of the machine or the allocator
-    (oneDNN's bf16 Conv3d took 2.3 or 5.3 ms by what the process had freed before) reaches
-    every figure alike.  Up to ``SAMPLES`` rounds, fewer past ``budget_s`` (at least one),
+    """Seconds per call of each function (:func:`_every_round`), timed in rounds (each round
+    calls every function once, in alternating order) so that a drift of the machine or the
+    allocator (oneDNN's bf16 Conv3d took 2.3 or 5.3 ms by what the process had freed before)
+    reaches every figure alike.  Up to ``SAMPLES`` rounds, fewer past ``budget_s`` (at least one),
     none when the warm-up calls alone took the budget: then each first call is the figure
     (bf16 convs on a CPU without bf16 instructions run 50-900 ms a call, and their one-time
     costs, allocation and library plans, are small beside that; the rounds had cost Mochi's
