@@ -161,13 +161,18 @@ def _serialize_split(split_gm, parts: dict) -> bytes:
     entries = []
     index = {}
     with torch._functorch.config.patch("bundled_autograd_cache", True):
-        for name, (fn, single) in parts.items():
+        for name, (fn, single, *more) in parts.items():
+            layouts = more[0] if more else ()
             if id(fn) not in distinct:
                 distinct[id(fn)] = len(entries)
                 entries.append(fn.serialize())
-            index[name] = (distinct[id(fn)], single)
+            index[name] = (distinct[id(fn)], single, tuple(map(_saved_format, layouts)))
     return pickle.dumps({"graph": GraphPickler.dumps(gm, Options(ops_filter=None)),
                          "entries": entries, "index": index})
+
+
+def _saved_format(f):
+    return None if f is None else str(f)
 
 
 def _deserialize_split(data: bytes):
@@ -182,7 +187,7 @@ def _deserialize_split(data: bytes):
     state = pickle.loads(data)
     gm = GraphPickler.loads(state["graph"], FakeTensorMode(shape_env=ShapeEnv()))
     fns = [deserialize_bundled_cache_entry(e) for e in state["entries"]]
-    parts = {name: (fns[i], single) for name, (i, single) in state["index"].items()}
+    parts = {name: (fns[i], *rest) for name, (i, *rest) in state["index"].items()}
     for node in gm.graph.nodes:
         if node.op == "call_module" and node.target in parts:
             name = node.target
@@ -192,16 +197,53 @@ def _deserialize_split(data: bytes):
     return gm, parts
 
 
-def part_caller(name: str, fn, single: bool):
+def part_caller(name: str, fn, single: bool, layouts: tuple = ()):
     """A function named ``name`` that calls compiled part ``fn``, which returns a sequence
     (a reloaded AOTAutograd entry does, also for a part that returned one value when it was
-    compiled); ``single``: the part's value is that sequence's one element."""
+    compiled); ``single``: the part's value is that sequence's one element.  ``layouts``: per
+    output, the memory format the parts reading it were compiled for (None: not checked);
+    see :func:`_as_traced`."""
+    run = _as_traced(fn, tuple(_format(f) for f in layouts))
     if single:
         def call(*args):
-            return fn(*args)[0]
+            return run[0](*args)[0]
     else:
         def call(*args):
-            return fn(*args)
+            return run[0](*args)
 
     call.__name__ = call.__qualname__ = name
     return call
+
+
+def _format(f):
+    """A memory format, also from its saved name ("torch.channels_last")."""
+    return getattr(torch, f.rsplit(".", 1)[-1]) if isinstance(f, str) else f
+
+
+def _as_traced(fn, layouts: tuple) -> list:
+    """``[callable]``: ``fn`` once its outputs have come back in the layouts the next parts
+    were compiled for, else ``fn`` with the wrong ones copied into them.  Inductor can hand back
+    an output in another layout than its trace's (torch 2.13: a clone it drops as a no-op, its
+    source written into a later ``cat``'s buffer), and the next part's generated code would
+    reject it.  The outputs are checked on the first call only: a compiled function's layouts
+    do not change between calls."""
+    run: list = [fn]
+    if not any(layouts):
+        return run
+
+    def first(*args):
+        out = fn(*args)
+        wrong = {i: f for i, f in enumerate(layouts) if f is not None and i < len(out)
+                 and isinstance(out[i], torch.Tensor) and not out[i].is_contiguous(memory_format=f)}
+        run[0] = (lambda *a: _relaid(fn(*a), wrong)) if wrong else fn
+        return _relaid(out, wrong) if wrong else out
+
+    run[0] = first
+    return run
+
+
+def _relaid(out, wrong: dict) -> list:
+    out = list(out)
+    for i, f in wrong.items():
+        out[i] = out[i].contiguous(memory_format=f)
+    return out

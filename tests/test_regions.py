@@ -298,3 +298,59 @@ def test_a_step_calls_each_part_without_an_inner_dynamo_wrapper():
     # Dynamo's own (the compiled module's and the compiled graph's), not one per part
     assert calls[("eval_frame.py", "_fn")] < parts, calls
     assert calls[("_pytree.py", "tree_unflatten")] == 0, calls
+
+
+@pytest.mark.slow
+def test_wan_vae_decode_of_four_latent_frames_through_regions_matches_eager():
+    """Four frames: the decoder's later calls repeat and become regions.  One glue part there
+    returns ``x[:, :, -2:].clone()`` of a value it also joins to the feature cache; Inductor
+    (2.13) drops the clone and hands the output back inside the join's buffer, in a layout the
+    next part's code rejects ("expected ... stride 256==128")."""
+    from convlower.tools import zoo
+
+    m, (z,) = zoo.build("wan-vae", "tiny")
+    z = torch.randn(z.shape[0], z.shape[1], 4, *z.shape[3:])
+    with torch.no_grad():
+        ref = m(z)
+        out = _compile(m)(z)
+    assert_close(out, ref, rel=1e-5)
+    assert any(r["how"] == "reused" for r in convlower.report().to_dict()["regions"])
+
+
+def _outputs_in_a_wider_buffer(calls: list):
+    """A compiled part's stand-in: returns (1, 4, 2, 3) inside a (1, 4, 3, 3) buffer, the
+    layout Inductor gave the Wan VAE's cache output."""
+    def fn(x):
+        calls.append(x)
+        return [torch.cat([x[:, :, :1], x], 2)[:, :, 1:]]
+    return fn
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, "torch.contiguous_format"])
+def test_a_part_output_in_another_layout_than_traced_is_given_in_the_traced_one(layout):
+    from convlower import torch_internals as ti
+
+    calls: list = []
+    call = ti.part_caller("compiled_part", _outputs_in_a_wider_buffer(calls), True, (layout,))
+    x = torch.randn(1, 4, 2, 3)
+    for _ in range(2):   # checked on the first call; the later ones are copied as well
+        out = call(x)
+        assert out.is_contiguous() and torch.equal(out, x)
+    assert len(calls) == 2
+    unchecked = ti.part_caller("compiled_part", _outputs_in_a_wider_buffer(calls), True)(x)
+    assert not unchecked.is_contiguous()   # what the check above corrects
+
+
+def test_a_part_output_in_its_traced_layout_is_handed_on_as_is():
+    from convlower import torch_internals as ti
+
+    made: list = []
+
+    def fn(x):
+        made.append(x * 2)
+        return [made[-1], None]
+
+    call = ti.part_caller("compiled_part", fn, False, (torch.contiguous_format, None))
+    x = torch.randn(2, 3)
+    for _ in range(2):
+        assert call(x)[0] is made[-1]   # no copy

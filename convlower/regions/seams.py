@@ -214,16 +214,21 @@ def _convert_where_layouts_meet(split_gm, compiled: dict, takes: dict, gives: di
 def _eager_layout_of_outputs(sub: torch.fx.GraphModule) -> Optional[list]:
     """Per output, the memory format eager gave it (None: not a tensor), or None when one is
     dense in no memory format (a layout this step could not give back)."""
+    values = [example_of(n) for n in _outputs(sub)]
+    formats = output_layouts(sub)
+    if any(isinstance(v, torch.Tensor) and f is None for v, f in zip(values, formats)):
+        return None
+    return formats
+
+
+def output_layouts(sub: torch.fx.GraphModule) -> tuple:
+    """Per output of ``sub``, the memory format its traced value is dense in: what the parts
+    reading it are compiled for (None: not a tensor, or dense in none, a view)."""
     formats = []
     for v in map(example_of, _outputs(sub)):
-        if not isinstance(v, torch.Tensor):
-            formats.append(None)
-            continue
-        fmt = ti.memory_format_of(v)
-        if not v.is_contiguous(memory_format=fmt):
-            return None
-        formats.append(fmt)
-    return formats
+        fmt = ti.memory_format_of(v) if isinstance(v, torch.Tensor) else None
+        formats.append(fmt if fmt is not None and v.is_contiguous(memory_format=fmt) else None)
+    return tuple(formats)
 
 
 def _return_as(sub: torch.fx.GraphModule, index: int, fmt: torch.memory_format) -> None:
