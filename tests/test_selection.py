@@ -411,3 +411,54 @@ def test_broken_timer_values_keep_the_original_with_a_reason(cache, bad):
     selection.set_timer(stub({"aten": bad}, default=0.5))  # a broken baseline: nothing wins
     rule, why, _ = measured(conv_call(), [RULES["time_fold_conv2d"]])
     assert rule is None and "measurement failed" in why and "timer returned" in why
+
+
+def _looks(first: dict, second: dict, calls: list):
+    """A timer giving ``first[label]`` in the first ROUNDS rounds (counted by the original's
+    turns) and ``second[label]`` after; forms share their rule's time; 2.0 when unnamed."""
+    def timer(label, fn, budget_s):
+        calls.append(label)
+        look = first if calls.count("aten") <= measure.ROUNDS else second
+        return look.get(label.removesuffix(":opaque"), 2.0)
+    return timer
+
+
+@pytest.mark.parametrize("second, taken", [(0.92, True), (0.99, False)])
+def test_a_marginal_win_is_timed_again_and_taken_only_if_it_holds(cache, second, taken):
+    calls: list = []
+    selection.set_timer(_looks({"aten": 1.0, "time_fold_conv2d": 0.92},
+                               {"aten": 1.0, "time_fold_conv2d": second}, calls))
+    rule, why, _ = measured(conv_call(), [RULES["time_fold_conv2d"], RULES["time_sum_conv2d"]])
+    assert (rule is RULES["time_fold_conv2d"]) is taken, why
+    assert "timed twice" in why
+    assert calls.count("aten") == calls.count("time_fold_conv2d") == 2 * measure.ROUNDS
+    assert calls.count("time_sum_conv2d") == measure.ROUNDS   # out of play: not timed again
+
+
+def test_two_rules_within_a_margin_are_decided_on_both_looks(cache):
+    calls: list = []
+    first = {"aten": 1.0, "time_fold_conv2d": 0.50, "time_sum_conv2d": 0.51}
+    second = {"aten": 1.0, "time_fold_conv2d": 0.60, "time_sum_conv2d": 0.45}
+    selection.set_timer(_looks(first, second, calls))
+    rule, why, timings = measured(conv_call(), [RULES["time_fold_conv2d"],
+                                                RULES["time_sum_conv2d"]])
+    assert rule is RULES["time_sum_conv2d"], why   # one look alone would take time_fold
+    assert timings["time_sum_conv2d"] == pytest.approx(0.48)   # the median of all six rounds
+
+
+def test_a_clear_call_is_timed_once(cache):
+    calls: list = []
+    selection.set_timer(_looks({"aten": 1.0, "time_fold_conv2d": 0.5}, {}, calls))
+    rule, why, _ = measured(conv_call(), [RULES["time_fold_conv2d"], RULES["time_sum_conv2d"]])
+    assert rule is RULES["time_fold_conv2d"] and "timed twice" not in why
+    assert calls.count("aten") == measure.ROUNDS
+
+
+def test_which_calls_are_close():
+    close = measure.close_call
+    assert close({"aten": 1.0, "a": 0.8, "a:opaque": 0.81}) == []      # forms are no rivals
+    assert close({"aten": 1.0, "a": 0.8, "b": 0.86}) == []              # a margin apart
+    assert close({"aten": 1.0, "a": 0.8, "b": 0.83}) == ["aten", "a", "b"]
+    assert close({"aten": 1.0, "a": 0.93}) == ["aten", "a"]              # near the line
+    assert close({"aten": 1.0, "a": 0.995, "b": 1.2}) == ["aten", "a"]   # just short of it
+    assert close({"aten": 1.0, "a": 1.0, "b": 1.2}) == []                # no rule in play
