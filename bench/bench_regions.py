@@ -12,7 +12,7 @@ Plans: ``inductor`` (whole graph), ``convlower`` (whole graph), ``regions`` (con
 where it has one).  Compile seconds are ``torch.compile()`` plus the first call, minus one step.
 Break-even calls: compile seconds / (eager step - plan step).
 
-    .venv/bin/python bench/bench_regions.py                         # sdxl-unet, wan-vae, wan-dit-stack
+    .venv/bin/python bench/bench_regions.py     # sdxl-unet, wan-vae, wan-vae-clip, wan-dit-stack
     .venv/bin/python bench/bench_regions.py --models sdxl-unet --size tiny --train
 """
 from __future__ import annotations
@@ -229,7 +229,7 @@ def table(name: str, res: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="sdxl-unet,wan-vae,wan-dit-stack")
+    ap.add_argument("--models", default="sdxl-unet,wan-vae,wan-vae-clip,wan-dit-stack")
     ap.add_argument("--size", default="small", choices=("tiny", "small"))
     ap.add_argument("--train", action="store_true", help="forward+backward instead of forward")
     ap.add_argument("--rounds", type=int, default=15)
