@@ -104,10 +104,10 @@ except ImportError:
 
 class SavedSplit(_Serializable):
     """A graph split into compiled parts (regions) in a form torch's AOT compile can save:
-    ``split_gm``'s call_function nodes named in ``parts`` ({name: (fn, single)}) call compiled
-    parts; each distinct
-    part is saved as AOTAutograd's bundled entry, the graph with torch's GraphPickler.  At
-    module level: the saved blob names this class to load it."""
+    ``split_gm``'s call_function nodes named in ``parts`` ({name: (fn, single, output
+    strides)}) call compiled parts; each distinct part is saved as AOTAutograd's bundled entry,
+    the graph with torch's GraphPickler.  At module level: the saved blob names this class to
+    load it."""
 
     def __init__(self, split_gm, parts: dict):
         self.split_gm, self.parts = split_gm, parts
@@ -135,8 +135,8 @@ def without_dynamo_disable(fn: Callable) -> Callable:
 
 def saveable_split(split_gm):
     """``split_gm`` as a callable torch's AOT compile can save: its call_function nodes named
-    in ``split_gm.meta["compiled_parts"]`` ({name: (compiled function, returns one value)})
-    call compiled parts."""
+    in ``split_gm.meta["compiled_parts"]`` ({name: (compiled function, returns one value, its
+    outputs' traced strides)}) call compiled parts."""
     if _Serializable is object:
         return split_gm
     return SavedSplit(split_gm, split_gm.meta.get("compiled_parts", {}))
@@ -162,17 +162,13 @@ def _serialize_split(split_gm, parts: dict) -> bytes:
     index = {}
     with torch._functorch.config.patch("bundled_autograd_cache", True):
         for name, (fn, single, *more) in parts.items():
-            layouts = more[0] if more else ()
+            strides = more[0] if more else ()
             if id(fn) not in distinct:
                 distinct[id(fn)] = len(entries)
                 entries.append(fn.serialize())
-            index[name] = (distinct[id(fn)], single, tuple(map(_saved_format, layouts)))
+            index[name] = (distinct[id(fn)], single, strides)
     return pickle.dumps({"graph": GraphPickler.dumps(gm, Options(ops_filter=None)),
                          "entries": entries, "index": index})
-
-
-def _saved_format(f):
-    return None if f is None else str(f)
 
 
 def _deserialize_split(data: bytes):
@@ -197,13 +193,13 @@ def _deserialize_split(data: bytes):
     return gm, parts
 
 
-def part_caller(name: str, fn, single: bool, layouts: tuple = ()):
+def part_caller(name: str, fn, single: bool, strides: tuple = ()):
     """A function named ``name`` that calls compiled part ``fn``, which returns a sequence
     (a reloaded AOTAutograd entry does, also for a part that returned one value when it was
-    compiled); ``single``: the part's value is that sequence's one element.  ``layouts``: per
-    output, the memory format the parts reading it were compiled for (None: not checked);
-    see :func:`_as_traced`."""
-    run = _as_traced(fn, tuple(_format(f) for f in layouts))
+    compiled); ``single``: the part's value is that sequence's one element.  ``strides``: per
+    output, the strides the parts reading it were compiled for (None: not checked); see
+    :func:`_as_traced`."""
+    run = _as_traced(fn, tuple(strides))
     if single:
         def call(*args):
             return run[0](*args)[0]
@@ -215,26 +211,21 @@ def part_caller(name: str, fn, single: bool, layouts: tuple = ()):
     return call
 
 
-def _format(f):
-    """A memory format, also from its saved name ("torch.channels_last")."""
-    return getattr(torch, f.rsplit(".", 1)[-1]) if isinstance(f, str) else f
-
-
-def _as_traced(fn, layouts: tuple) -> list:
-    """``[callable]``: ``fn`` once its outputs have come back in the layouts the next parts
+def _as_traced(fn, strides: tuple) -> list:
+    """``[callable]``: ``fn`` once its outputs have come back with the strides the next parts
     were compiled for, else ``fn`` with the wrong ones copied into them.  Inductor can hand back
     an output in another layout than its trace's (torch 2.13: a clone it drops as a no-op, its
     source written into a later ``cat``'s buffer), and the next part's generated code would
     reject it.  The outputs are checked on the first call only: a compiled function's layouts
-    do not change between calls."""
+    do not change between calls of one static shape."""
     run: list = [fn]
-    if not any(layouts):
+    if all(s is None for s in strides):
         return run
 
     def first(*args):
         out = fn(*args)
-        wrong = {i: f for i, f in enumerate(layouts) if f is not None and i < len(out)
-                 and isinstance(out[i], torch.Tensor) and not out[i].is_contiguous(memory_format=f)}
+        wrong = {i: s for i, s in enumerate(strides) if s is not None and i < len(out)
+                 and isinstance(out[i], torch.Tensor) and _differs(out[i], s)}
         run[0] = (lambda *a: _relaid(fn(*a), wrong)) if wrong else fn
         return _relaid(out, wrong) if wrong else out
 
@@ -242,8 +233,16 @@ def _as_traced(fn, layouts: tuple) -> list:
     return run
 
 
+def _differs(t: torch.Tensor, strides: tuple) -> bool:
+    """Whether ``t``'s strides differ from ``strides`` where it matters (a size over 1), as
+    Inductor's ``assert_size_stride`` compares them."""
+    return len(strides) != t.dim() or any(
+        n > 1 and a != b for n, a, b in zip(t.shape, t.stride(), strides))
+
+
 def _relaid(out, wrong: dict) -> list:
     out = list(out)
-    for i, f in wrong.items():
-        out[i] = out[i].contiguous(memory_format=f)
+    for i, s in wrong.items():
+        t = out[i]
+        out[i] = torch.empty_strided(t.shape, s, dtype=t.dtype, device=t.device).copy_(t)
     return out

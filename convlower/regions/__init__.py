@@ -22,7 +22,7 @@ from .. import torch_internals as ti
 from ..observe import records as _records
 from .blocks import Setting, assign, shared_share
 from .partition import Part, example_inputs, return_as_tuple, returns_tuple, split
-from .seams import channels_last_seams, channels_last_wanted, output_layouts
+from .seams import channels_last_seams, channels_last_wanted, output_strides
 from .signature import signature
 
 __all__ = ["compile_regions", "clear", "Setting"]
@@ -52,16 +52,17 @@ def clear() -> None:
 
 
 def _call_compiled(split_gm: torch.fx.GraphModule, part: str, fn: Callable,
-                   single: bool, layouts: tuple) -> None:
+                   single: bool, strides: tuple) -> None:
     """The split graph calls ``fn`` where it called submodule ``part``: a plain function call
     (an nn.Module's ``__call__`` would add its hook machinery to every call of every part).
-    ``fn`` returns a sequence; ``single``: the part's value is its one element; ``layouts``:
-    the memory formats its outputs are read in (seams.output_layouts), checked once.
+    ``fn`` returns a sequence; ``single``: the part's value is its one element; ``strides``:
+    its outputs' traced strides, which the parts reading them were compiled for
+    (seams.output_strides), checked on the first call.
     ``split_gm.meta["compiled_parts"]`` names them, for a saved compile (torch_saved.py).
     A UNet step calls some 30 parts: each layer of wrapper left out is 2-5 us per part."""
     # Dynamo is off already: it calls the split graph through its own disable wrapper
-    call = ti.part_caller(f"compiled_{part}", ti.without_dynamo_disable(fn), single, layouts)
-    split_gm.meta.setdefault("compiled_parts", {})[call.__name__] = (fn, single, layouts)
+    call = ti.part_caller(f"compiled_{part}", ti.without_dynamo_disable(fn), single, strides)
+    split_gm.meta.setdefault("compiled_parts", {})[call.__name__] = (fn, single, strides)
     for node in split_gm.graph.nodes:
         if node.op == "call_module" and node.target == part:
             node.op, node.target = "call_function", call
@@ -123,9 +124,10 @@ def compile_regions(gm: torch.fx.GraphModule, setting: Setting, compile_graph: C
         single = not returns_tuple(sub)
         if single:
             return_as_tuple(sub)
+        strides = output_strides(sub)   # before the compile, which may change sub's graph
         fn, how, spent, first = _compiled_part(sub, inputs, key, f"{name}.{part.name}",
                                                compile_graph)
-        _call_compiled(split_gm, part.name, fn, single, output_layouts(sub))
+        _call_compiled(split_gm, part.name, fn, single, strides)
         _note(name, part, key, how, spent, first, changed.get(part.name, 0),
               converted.get(part.name, 0))
     split_gm.recompile()

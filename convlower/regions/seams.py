@@ -214,21 +214,37 @@ def _convert_where_layouts_meet(split_gm, compiled: dict, takes: dict, gives: di
 def _eager_layout_of_outputs(sub: torch.fx.GraphModule) -> Optional[list]:
     """Per output, the memory format eager gave it (None: not a tensor), or None when one is
     dense in no memory format (a layout this step could not give back)."""
-    values = [example_of(n) for n in _outputs(sub)]
-    formats = output_layouts(sub)
-    if any(isinstance(v, torch.Tensor) and f is None for v, f in zip(values, formats)):
-        return None
+    formats = []
+    for v in map(example_of, _outputs(sub)):
+        if not isinstance(v, torch.Tensor):
+            formats.append(None)
+            continue
+        fmt = ti.memory_format_of(v)
+        if not v.is_contiguous(memory_format=fmt):
+            return None
+        formats.append(fmt)
     return formats
 
 
-def output_layouts(sub: torch.fx.GraphModule) -> tuple:
-    """Per output of ``sub``, the memory format its traced value is dense in: what the parts
-    reading it are compiled for (None: not a tensor, or dense in none, a view)."""
-    formats = []
-    for v in map(example_of, _outputs(sub)):
-        fmt = ti.memory_format_of(v) if isinstance(v, torch.Tensor) else None
-        formats.append(fmt if fmt is not None and v.is_contiguous(memory_format=fmt) else None)
-    return tuple(formats)
+def output_strides(sub: torch.fx.GraphModule) -> tuple:
+    """Per output of ``sub``, its traced strides, which the parts reading it are compiled for
+    (None: not a tensor, a symbolic size or stride, or strides that overlap, which no copy
+    can be laid out in)."""
+    return tuple(_static_strides(v) for v in map(example_of, _outputs(sub)))
+
+
+def _static_strides(v) -> Optional[tuple]:
+    if not isinstance(v, torch.Tensor):
+        return None
+    shape, strides = tuple(v.shape), tuple(v.stride())
+    if not all(type(x) is int for x in shape + strides):
+        return None
+    extent = 1
+    for n, s in sorted(((n, s) for n, s in zip(shape, strides) if n > 1), key=lambda p: p[1]):
+        if s < extent:
+            return None   # overlapping (an expanded dim)
+        extent = s * n
+    return strides
 
 
 def _return_as(sub: torch.fx.GraphModule, index: int, fmt: torch.memory_format) -> None:

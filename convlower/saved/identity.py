@@ -20,7 +20,7 @@ import torch
 from .. import torch_internals as ti
 from ..version import __version__
 
-FORMAT = 1
+FORMAT = 2  # 2: a saved split's parts carry their outputs' traced strides (torch_saved.py)
 # Fields that pick the file: another model or input signature gets a file of its own, so
 # two models warmed up in one folder do not evict each other.
 _SLOT_FIELDS = ("model", "inputs", "grad", "backward")

@@ -10,9 +10,10 @@ Every candidate is compiled before any is timed (``COMPILE_BUDGET_S`` bounds it)
 timed in ``ROUNDS`` interleaved rounds.  A rule replaces the convolution only when its median
 is faster by at least ``MARGIN`` (5%) and it won in every round: within noise the original
 stays.  A close call (the best rule within a margin of the line, or two rules within a margin
-of each other) is timed for ``ROUNDS`` more rounds (:func:`close_call`): one look decided such
-calls on noise, so two measurements of one conv disagreed (bench/bench_settle.py).  Rules that share an emission are compiled and timed once.  Timings that are not
-positive and finite keep the original (:func:`convlower.selection.timer.plausible`).
+of each other) is timed for ``ROUNDS`` more rounds (:func:`close_call`), within a budget of
+its own: one look decided such calls on noise, so two measurements of one conv disagreed
+(bench/bench_settle.py).  Rules that share an emission are compiled and timed once.  Timings
+that are not positive and finite keep the original (:func:`convlower.selection.timer.plausible`).
 """
 from __future__ import annotations
 
@@ -148,10 +149,8 @@ class _Run:
         """``ROUNDS`` interleaved rounds of ``names`` (every step by default)."""
         share = BUDGET_S / (len(self.steps) * ROUNDS)
         start = time.perf_counter()
-        compiling = sum(self.compile_log.values())
         for i in range(ROUNDS):  # interleaved rounds
-            spent = time.perf_counter() - start - (sum(self.compile_log.values()) - compiling)
-            if i and spent > BUDGET_S:
+            if i and time.perf_counter() - start - sum(self.compile_log.values()) > BUDGET_S:
                 break  # long ops: one round is all the budget allows
             for name in list(self.steps) if names is None else names:
                 if name in self.steps and not self.over_budget(name):
@@ -192,7 +191,7 @@ def decide(site: ConvSite, candidates: Sequence[Rule],
                 if _timer.compile_first():
                     run.compile_all()
                 run.time_rounds()
-                again = close_call(run.medians())
+                again = close_call(clear_wins(run), run.medians()["aten"])
                 if again:
                     run.time_rounds(again)
                 decision = _verdict(run, by_name)
@@ -219,33 +218,44 @@ def _tiny(run: _Run) -> Optional[Decision]:
     return Decision(None, why, "measurement", 0.0, {"aten_eager": quick})
 
 
-def close_call(timings: dict) -> list[str]:
-    """The labels a second look times again, or [] when one look decided.  In play are the
-    rules within a margin of winning (median under (1 - MARGIN)(1 + MARGIN) of the
-    original's).  Marginal: the best of them is within a margin of the line (slower than
-    (1 - 2 MARGIN) of the original); the original is timed again with them, and a win must
-    hold in every round of both looks.  A tie: a second rule is within a margin of the best;
-    only the rules are timed again, their order is decided on all rounds, and whether they
-    beat the original on the first look's (six rounds of "every round" kept the original
-    over two rules 16-19% faster on the ViT patch embedding).  The two forms of one rule are
-    not rivals: their tie is decided by _cheaper_form."""
-    base = timings.get("aten")
-    if not base:
-        return []
-    line = (1.0 - MARGIN) * (1.0 + MARGIN) * base
-    in_play = [n for n, t in timings.items() if n != "aten" and t < line]
+def clear_wins(run: "_Run") -> dict[str, float]:
+    """{label: median of all its rounds} for the rules that win clearly: faster than the
+    original by the margin in the median of the rounds timed beside the original's, and in
+    each of those rounds (a burst of load during one candidate's turn cannot make it win).
+    A tie's second look times the rules only: its rounds order them, they do not decide
+    whether they beat the original."""
+    aten = run.rounds.get("aten", [])
+    out = {}
+    for name, rounds in run.rounds.items():
+        n = min(len(rounds), len(aten))   # the rounds both were timed in
+        if name == "aten" or not n:
+            continue
+        line = (1.0 - MARGIN) * statistics.median(aten[:n])
+        if statistics.median(rounds[:n]) <= line and all(
+                t <= (1.0 - MARGIN) * a for t, a in zip(rounds[:n], aten[:n])):
+            out[name] = statistics.median(rounds)
+    return out
+
+
+def close_call(clear: dict[str, float], base: float) -> list[str]:
+    """The labels a second look times again, or [] when one look decided; ``clear``: the
+    first look's clear winners (:func:`clear_wins`), ``base``: the original's median.
+    Marginal: the best is slower than (1 - 2 MARGIN) of the original, within a margin of the
+    line; the original is timed again with the clear winners, and a win must hold in every
+    round of both looks.  A tie: a second rule is within a margin of the best; the clear
+    winners are timed again and ordered on all their rounds.  A rule that lost a round of the
+    first look is not timed again: it cannot win any more.  The two forms of one rule are not
+    rivals: their tie is decided by _cheaper_form."""
     best_of: dict[str, float] = {}
-    for n in in_play:
+    for n, t in clear.items():
         rule = n.removesuffix(OPAQUE)
-        best_of[rule] = min(timings[n], best_of.get(rule, timings[n]))
+        best_of[rule] = min(t, best_of.get(rule, t))
     ranked = sorted(best_of.values())
     if not ranked:
         return []
-    marginal = ranked[0] > (1.0 - 2 * MARGIN) * base
-    tie = len(ranked) > 1 and ranked[1] < (1.0 + MARGIN) * ranked[0]
-    if marginal:
-        return ["aten", *in_play]
-    return in_play if tie else []
+    if ranked[0] > (1.0 - 2 * MARGIN) * base:
+        return ["aten", *clear]
+    return list(clear) if len(ranked) > 1 and ranked[1] < (1.0 + MARGIN) * ranked[0] else []
 
 
 def _verdict(run: _Run, by_name: dict) -> Decision:
@@ -255,12 +265,9 @@ def _verdict(run: _Run, by_name: dict) -> Decision:
     base = timings["aten"]
     ranked = sorted((n for n in timings if n != "aten"), key=timings.get)
     best = ranked[0] if ranked else None
-    # A clear win: faster by the margin overall, and in every round against that round's
-    # original (a burst of load during one candidate's turn cannot make it win).  The fastest
-    # such candidate wins: one round of the fastest lost in noise need not keep the original
-    # over a rule that clearly won (ViT fp32: patchify_mm 0.80x, eager_conv 0.83x, kept).
-    clear = {n: timings[n] for n in ranked if timings[n] <= (1.0 - MARGIN) * base and all(
-        t <= (1.0 - MARGIN) * a for t, a in zip(run.rounds[n], run.rounds["aten"]))}
+    # The fastest clear winner wins: one round of the fastest lost in noise need not keep the
+    # original over a rule that clearly won (ViT fp32: patchify_mm 0.80x, eager_conv 0.83x).
+    clear = clear_wins(run)
     wins = bool(clear)
     if wins:
         best = _cheaper_form(min(clear, key=clear.get), clear)
