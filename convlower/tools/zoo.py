@@ -79,6 +79,18 @@ def _qwen_vision(c):
 
 
 # -- wan-vae ---------------------------------------------------------------------------------
+_WAN_VAE = {"tiny": dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1,
+                         temperal_downsample=[True], latent=[1, 4, 2, 4, 4]),
+            "small": dict(base_dim=32, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+                          temperal_downsample=[False, True, True], latent=[1, 16, 2, 8, 8])}
+
+
+def _latent_frames(configs: dict, frames: int) -> dict:
+    """``configs`` with ``frames`` latent frames: the same decoder on a longer clip."""
+    return {size: dict(c, latent=[*c["latent"][:2], frames, *c["latent"][3:]])
+            for size, c in configs.items()}
+
+
 def _wan_vae(c):
     from diffusers import AutoencoderKLWan
 
@@ -213,20 +225,12 @@ ZOO: dict[str, Entry] = {e.name: e for e in [
     Entry("wan-vae",
           "Wan2.1 video VAE decoder (diffusers AutoencoderKLWan.decode), causal 3x3x3 Conv3d, "
           "frame-by-frame with a feature cache; Wan's structure at reduced width.",
-          {"tiny": dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1,
-                        temperal_downsample=[True], latent=[1, 4, 2, 4, 4]),
-           "small": dict(base_dim=32, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
-                         temperal_downsample=[False, True, True], latent=[1, 16, 2, 8, 8])},
-          _wan_vae, "diffusers"),
+          _WAN_VAE, _wan_vae, "diffusers"),
     Entry("wan-vae-clip",
           "The same Wan2.1 VAE decoder on a clip of 8 latent frames (29 video frames; Wan "
           "decodes 21): from the third frame on, each frame's decoder blocks repeat, so regions "
           "compile them once (docs/regions.md).",
-          {"tiny": dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1,
-                        temperal_downsample=[True], latent=[1, 4, 8, 4, 4]),
-           "small": dict(base_dim=32, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
-                         temperal_downsample=[False, True, True], latent=[1, 16, 8, 8, 8])},
-          _wan_vae, "diffusers"),
+          _latent_frames(_WAN_VAE, 8), _wan_vae, "diffusers"),
     Entry("mochi-downsample",
           "Mochi VAE encoder downsample: Conv3d(128 -> 256, kernel = stride = (2,2,2)); "
           "eligible for patchify_mm and all three Conv3d rules; measurement picks one or keeps "
