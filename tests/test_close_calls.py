@@ -229,8 +229,85 @@ def test_a_clear_win_with_no_faster_rival_is_not_a_close_call(cache):
         assert _compile_rules(_Conv3dPatch(), torch.randn(1, 4, 3, 8, 8)) == \
             [("channels_last_conv", "screen")]
         assert close_calls.open_calls() == 0
+        assert close_calls.pending() == 1  # the clear win itself: a warm-up looks again
     finally:
         screen.set_screen(prev)
+
+
+@pytest.fixture
+def clear_patchify(cache):
+    """The screen sees patchify_mm clearly win (0.5x the original; its opaque form: kernels
+    alone were not timed); compiled it takes 1.2x."""
+    prev = screen.set_screen(lambda site, cands, dt: {"aten": 2e-3,
+                                                      **{c.name: 1e-3 for c in cands}})
+    selection.set_timer(lambda label, fn, budget: {"aten": 1.0}.get(label, 1.2))
+    yield cache
+    screen.set_screen(prev)
+
+
+def test_a_clear_win_that_loses_compiled_is_dropped_by_the_warm_up(clear_patchify):
+    """A screen can win on a fluke (the Wan DiT fp32 patch conv: 0.18x in one screen, 1.12x in
+    the next): the warm-up measures clear wins too, and the next compile keeps the original."""
+    m, x = _model()
+    assert _compile_rules(m, x) == [("patchify_mm", "screen")]
+    assert close_calls.open_calls() == 0 and close_calls.pending() == 1
+    before = close_calls.settled_digest()
+    (s,), left, _ = close_calls.settle()
+    assert s.clear_win and s.rule is None and s.changed and left == 0
+    assert s.screen_ratio == pytest.approx(0.5) and s.compiled_ratio == pytest.approx(1.2)
+    assert s.agrees is False and close_calls.pending() == 0
+    assert close_calls.settled_digest() != before
+    assert _compile_rules(m, x) == [(None, "cache")]
+    assert close_calls.pending() == 0  # measured: nothing left to look at
+
+
+def test_a_clear_win_confirmed_compiled_leaves_the_cache_identity(clear_patchify):
+    m, x = _model()
+    _compile_rules(m, x)
+    before = selection.decisions_digest()
+    selection.set_timer(lambda label, fn, budget: {"aten": 1.0}.get(label, 0.5))
+    (s,), _, _ = close_calls.settle()
+    assert s.clear_win and s.rule == "patchify_mm:opaque" and not s.changed and s.agrees
+    assert selection.decisions_digest() == before
+
+
+def test_a_cached_clear_win_is_noted_again(clear_patchify):
+    m, x = _model()
+    _compile_rules(m, x)
+    close_calls.forget()
+    assert _compile_rules(m, x) == [("patchify_mm", "cache")]
+    assert close_calls.pending() == 1
+
+
+def test_close_calls_are_measured_before_clear_wins(cache):
+    """One model, two convs: the second's screen is a clear win, the first's a close call; the
+    budget goes to the close call first (a clear win is more often right)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 4, 4), torch.nn.Conv2d(8, 8, 2, 2))
+    x = torch.randn(2, 4, 32, 32)
+    prev = screen.set_screen(lambda site, cands, dt: {
+        "aten": 2e-3, **{c.name: (1e-3 if site.call.weight.shape[1] == 8 else 2.1e-3)
+                         for c in cands}})
+    selection.set_timer(lambda label, fn, budget: {"aten": 1.0}.get(label, 0.9))
+    try:
+        assert _compile_rules(m, x) == [(None, "screen"), ("patchify_mm", "screen")]
+        assert (close_calls.open_calls(), close_calls.pending()) == (1, 2)
+        said = []
+        settled, left, _ = close_calls.settle(progress=said.append)
+        assert [s.clear_win for s in settled] == [False, True] and left == 0
+        assert "close call 1/2" in said[0] and "clear win 2/2" in said[1]
+    finally:
+        screen.set_screen(prev)
+
+
+def test_the_warm_up_says_how_many_clear_wins_it_measured(clear_patchify):
+    m, x = _model()
+    with torch.no_grad():
+        _, result = convlower.warmup(m, (x,), iters=0)
+    (s,) = result.settling.settled
+    assert s.clear_win and s.changed and result.settling.left_open == 0
+    assert "0 measured (and 1 of the screen's clear wins)" in str(result)
+    assert json.loads(json.dumps(result.to_dict()))["settling"]["settled"][0]["clear_win"]
 
 
 def test_a_clear_winner_is_no_rival_of_itself():

@@ -10,6 +10,8 @@ In order, the first that settles the call wins:
    milliseconds): a clear win is taken, a clear loss or a tiny conv keeps the original;
 4. a **close call** keeps the original under ``"auto"`` (nothing is compiled), and is
    settled by compiled measurement (:mod:`.measure`) under ``"measure"``.
+
+A warm-up measures the close calls ``"auto"`` left, then its clear wins (:mod:`.close_calls`).
 """
 from __future__ import annotations
 
@@ -75,6 +77,8 @@ def decide(site: ConvSite, candidates: Sequence[Rule], compute_dtype: Optional[s
                 if rule is None else "; a warm-up measures them")
         close_calls.note_close(site, candidates, close, compute_dtype, times,
                                label(rule.name if rule else None, opaque))
+    elif rule is not None:  # a warm-up looks at it again: a screen can win on a fluke
+        close_calls.note_clear_win(site, candidates, compute_dtype, times, label(rule.name, opaque))
     CACHE.store(decision_key(site, candidates, compute_dtype, SCREEN_METHOD),
                 {"rule": rule.name if rule else None, "opaque": opaque, "why": why,
                  "timings": times, "close": sorted(close)})
@@ -116,6 +120,10 @@ def _cached(site, candidates, compute_dtype, by_name, measure_close):
             close_calls.note_close(site, candidates, hit["close"], compute_dtype,
                                    dict(hit.get("timings", {})),
                                    label(hit.get("rule"), opaque_of(hit, rule)))
+        elif method == SCREEN_METHOD and rule is not None:
+            close_calls.note_clear_win(site, candidates, compute_dtype,
+                                       dict(hit.get("timings", {})),
+                                       label(rule.name, opaque_of(hit, rule)))
         why = hit.get("why", "")
         why = {SCREEN_METHOD: f"screen: {why}", seeds.SEED: f"seed: {why}"}.get(method, why)
         return Decision(rule, f"{why} (cached)", "cache", 0.0, dict(hit.get("timings", {})),

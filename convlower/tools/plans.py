@@ -109,10 +109,12 @@ def _warm_compile(run, backend, inductor_options, progress, res) -> None:
 
 
 def _settle(res: dict, budget_s: float, progress: Progress) -> None:
-    """Measure the close calls the cold compile's screen left (selection/close_calls.py)."""
-    if budget_s <= 0 or not close_calls.open_calls():
+    """Measure the close calls the cold compile's screen left, then its clear wins
+    (selection/close_calls.py)."""
+    if budget_s <= 0 or not close_calls.pending():
         return
-    progress.say(f"convlower: measuring {close_calls.open_calls()} close call(s) compiled")
+    progress.say(f"convlower: measuring {close_calls.open_calls()} close call(s) and "
+                 f"{close_calls.pending() - close_calls.open_calls()} clear win(s) compiled")
     settled, left, seconds = close_calls.settle(budget_s, progress=progress.say)
     res["settling"] = {"settled": [s.to_dict() for s in settled], "left_open": left,
                        "seconds": seconds}

@@ -95,7 +95,9 @@ def format_report(res: dict) -> str:
     se = b["convlower"].get("settling")
     if se:  # the steady state runs what this measured
         changed = [x for x in se["settled"] if x["changed"]]
-        out.append(f"\nclose calls measured compiled after the warm compile: {len(se['settled'])} in "
+        wins = sum(bool(x.get("clear_win")) for x in se["settled"])
+        out.append(f"\nclose calls measured compiled after the warm compile: "
+                   f"{len(se['settled']) - wins} (and {wins} of the screen's clear wins) in "
                    f"{se['seconds']:.1f} s, {len(changed)} changed, {se['left_open']} left open")
         out += [f"    {x['conv']}: {x['rule']} ({x['why']})" for x in changed]
     if res.get("steady_state_compiles"):

@@ -12,8 +12,9 @@ With ``cache_dir`` it persists, and reuses in the next process, what makes a com
 With ``cache_dir`` it also saves the compiled model whole (:mod:`.warm_start`,
 :mod:`convlower.saved`), and the next process's warm-up loads it without tracing again.
 
-Once the model is usable, the warm-up settles the close calls ``select="auto"`` left open
-(:mod:`convlower.selection.close_calls`, within ``settle_budget_s``): each is compiled and timed,
+Once the model is usable, the warm-up settles the close calls ``select="auto"`` left open, then
+looks again at the screen's clear wins (:mod:`convlower.selection.close_calls`, within
+``settle_budget_s``): each is compiled and timed,
 the measured choice is stored where the next compile reads it, and when a choice changed the
 model is compiled again at once, so the model returned already runs it.
 """
@@ -45,10 +46,11 @@ log = logging.getLogger("convlower")
 
 @dataclasses.dataclass
 class Settling:
-    """What the warm-up's measuring of close calls found and cost."""
+    """What the warm-up's measuring of close calls (and of the screen's clear wins) found and
+    cost."""
 
-    settled: list = dataclasses.field(default_factory=list)  # selection.settle.Settled
-    left_open: int = 0            # close calls the budget left unmeasured
+    settled: list = dataclasses.field(default_factory=list)  # selection.close_calls.Settled
+    left_open: int = 0            # calls the budget left unmeasured
     seconds: float = 0.0          # measuring them
     recompile_s: float = 0.0      # compiling the model again with the changed choices
     steps_before_s: list = dataclasses.field(default_factory=list)  # compiled steps before
@@ -109,7 +111,7 @@ class WarmupResult:
         se = self.settling
         if se.settled or se.left_open:
             worth = sum(s.saved_s for s in se.changed)
-            lines.append(f"  close calls: {len(se.settled)} measured in {se.seconds:.1f} s, "
+            lines.append(f"  close calls: {_measured(se.settled)} in {se.seconds:.1f} s, "
                          f"{len(se.changed)} changed (worth {worth * 1e3:.3g} ms per call; "
                          f"recompiled in {se.recompile_s:.1f} s), {se.left_open} left open")
             lines += [f"    {s.conv}: {s.rule or 'original'} ({s.why})" for s in se.changed]
@@ -280,9 +282,16 @@ def _other_plan(choice, model, inputs, backward, iters, dynamic, cache_dir, warn
     return compiled, result
 
 
+def _measured(settled: list) -> str:
+    """"3 measured (and 2 of the screen's clear wins)": the close calls first."""
+    wins = sum(s.clear_win for s in settled)
+    return f"{len(settled) - wins} measured" + \
+        (f" (and {wins} of the screen's clear wins)" if wins else "")
+
+
 def _settle_close_calls(budget_s: float) -> Settling:
-    if budget_s <= 0 or not _settle.open_calls():
-        return Settling(left_open=_settle.open_calls())
+    if budget_s <= 0 or not _settle.pending():
+        return Settling(left_open=_settle.pending())
     return Settling(*_settle.settle(budget_s, progress=lambda m: log.info("convlower: %s", m)))
 
 
