@@ -248,3 +248,15 @@ def test_short_reason_names_only_whole_rejections():
     assert _short_reason(every).startswith("no rule applies")
     measured = "measured: kept the original (best rule x takes 1.7x; a rule must be >= 5% faster) (cached)"
     assert _short_reason(measured) == measured.removesuffix(" (cached)")
+
+
+def test_the_report_says_which_measured_calls_were_the_screens_clear_wins():
+    from convlower.tools.spike_report import settling_lines
+
+    assert settling_lines(None) == []
+    one = {"conv": "forward conv x[1]", "rule": None, "changed": True, "why": "measured",
+           "clear_win": True}
+    lines = settling_lines({"settled": [one, dict(one, changed=False, clear_win=False)],
+                            "seconds": 2.0, "left_open": 3})
+    assert "1 (and 1 of the screen's clear wins) in 2.0 s, 1 changed, 3 left open" in lines[0]
+    assert lines[1:] == ["    forward conv x[1]: original (measured)"]

@@ -92,19 +92,24 @@ def format_report(res: dict) -> str:
         for why in b[x].get("recompile_reasons") or []:
             out.append(f"    recompile: {why.splitlines()[0]}")
     out += _conv_lines(b["convlower"])
-    se = b["convlower"].get("settling")
-    if se:  # the steady state runs what this measured
-        changed = [x for x in se["settled"] if x["changed"]]
-        wins = sum(bool(x.get("clear_win")) for x in se["settled"])
-        out.append(f"\nclose calls measured compiled after the warm compile: "
-                   f"{len(se['settled']) - wins} (and {wins} of the screen's clear wins) in "
-                   f"{se['seconds']:.1f} s, {len(changed)} changed, {se['left_open']} left open")
-        out += [f"    {x['conv']}: {x['rule']} ({x['why']})" for x in changed]
+    out += settling_lines(b["convlower"].get("settling"))  # the steady state runs it
     if res.get("steady_state_compiles"):
         out.append(f"\nwarning: {res['steady_state_compiles']} compile(s) during the timed rounds; "
                    "the step times include them")
     out.append(f"\nrecommendation: {res['recommendation']['text']}")
     return "\n".join(out)
+
+
+def settling_lines(se: Optional[dict]) -> list[str]:
+    """What measuring convlower's close calls (and the screen's clear wins) found, if it ran."""
+    if not se:
+        return []
+    changed = [x for x in se["settled"] if x["changed"]]
+    wins = sum(bool(x.get("clear_win")) for x in se["settled"])
+    return [f"\nclose calls measured compiled after the warm compile: "
+            f"{len(se['settled']) - wins} (and {wins} of the screen's clear wins) in "
+            f"{se['seconds']:.1f} s, {len(changed)} changed, {se['left_open']} left open"] + \
+        [f"    {x['conv']}: {x['rule'] or 'original'} ({x['why']})" for x in changed]
 
 
 def _table(b: dict) -> str:
