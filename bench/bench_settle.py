@@ -14,7 +14,8 @@ process with empty caches:
 4. steps of eager, Inductor, the warm-up's model, exhaustive's (and always's) interleaved.
 
 Printed per row: warm-up step / exhaustive step (goal <= 1.03), / always (the ViT patch
-embedding: <= 1.03), / Inductor, the close calls (measured / changed), the seconds settling and
+embedding: <= 1.03), / Inductor, the close calls and the screen's clear wins (measured /
+changed), the seconds settling and
 recompiling cost, how many of exhaustive's convs the warm-up's model runs the same choice on
 (all: the two run the same code, and their step ratio is the machine's noise), and the
 screen's agreement with the
@@ -227,7 +228,9 @@ def worker(args) -> dict:
                 f"{screen[k]}, compiled {_ratios(ex_t[k])} -> {measured[k]}"
                 for k in both if screen[k] != measured[k]]
     return {"inductor_s": inductor_s, "warmup_compile_s": r.compile_s,
-            "exhaustive_s": exhaustive_s, "steps": med, "close": len(se.settled),
+            "exhaustive_s": exhaustive_s, "steps": med,
+            "close": sum(not s.clear_win for s in se.settled),
+            "clear_wins": sum(s.clear_win for s in se.settled),
             "changed": [f"{s.conv}: {s.rule}" for s in se.changed], "left_open": se.left_open,
             "settle_s": se.seconds, "recompile_s": se.recompile_s,
             "agree": sum(screen[k] == measured[k] for k in both), "compared": len(both),
@@ -275,12 +278,12 @@ def line(model, dtype, train, r) -> str:
     agree = f"{r['agree']}/{r['compared']}" if r["compared"] else "–"
     return (f"{name} {s['warm-up'] / s['exhaustive']:.3f} | {always} | "
             f"{s['warm-up'] / s['inductor']:.3f} | "
-            f"{r['close']} / {len(r['changed'])} | {r['settle_s']:.1f} | {r['recompile_s']:.1f} | "
+            f"{r['close']} + {r.get('clear_wins', 0)} / {len(r['changed'])} | {r['settle_s']:.1f} | {r['recompile_s']:.1f} | "
             f"{agree} | {r.get('same_choices', '–')} | {'; '.join(r['changed']) or '–'} |")
 
 
 HEAD = ("| model | dtype | pass | warm-up step / exhaustive | / always | / Inductor | "
-        "close calls measured / changed | settling s | "
+        "close calls + clear wins measured / changed | settling s | "
         "recompile s | screen agrees | warm-up runs exhaustive's choices | changed |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|")
 

@@ -47,8 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="name the plan with the least total time for a session of N calls "
                         "(default 1000)")
     s.add_argument("--settle-budget", type=float, default=120.0, metavar="S",
-                   help="seconds to measure convlower's close calls compiled after its warm "
-                        "compile, as a warm-up would (0: none; default 120)")
+                   help="seconds to measure convlower's close calls (then its screen's clear "
+                        "wins) compiled after its warm compile, as a warm-up would (0: none; "
+                        "default 120)")
     s.add_argument("--json", metavar="OUT", help="write every measurement as JSON")
     s.add_argument("--plot", metavar="OUT.png", help="draw cumulative time against calls "
                    "(default: convlower-spike-MODEL.png in the temp folder, if matplotlib is installed)")

@@ -219,7 +219,7 @@ def test_a_clear_win_that_another_rule_may_beat_compiled_is_settled_too(cache):
 
 def test_a_clear_win_with_no_faster_rival_is_not_a_close_call(cache):
     """Rivals whose kernels alone are within the margin of the winner (0.775x vs 0.8x): no
-    close call, nothing for a warm-up to measure."""
+    close call; the warm-up measures the clear win itself, last."""
     prev = screen.set_screen(lambda site, cands, dt: {
         "aten": 2e-3, **{c.name: 3e-3 for c in cands}, **{c.name + screen.KERNELS: 1.55e-3
                                                            for c in cands},
@@ -255,6 +255,7 @@ def test_a_clear_win_that_loses_compiled_is_dropped_by_the_warm_up(clear_patchif
     (s,), left, _ = close_calls.settle()
     assert s.clear_win and s.rule is None and s.changed and left == 0
     assert s.screen_ratio == pytest.approx(0.5) and s.compiled_ratio == pytest.approx(1.2)
+    assert s.saved_s == pytest.approx(0.2)  # against the screen's choice (its opaque form)
     assert s.agrees is False and close_calls.pending() == 0
     assert close_calls.settled_digest() != before
     assert _compile_rules(m, x) == [(None, "cache")]
@@ -276,21 +277,21 @@ def test_a_cached_clear_win_is_noted_again(clear_patchify):
     _compile_rules(m, x)
     close_calls.forget()
     assert _compile_rules(m, x) == [("patchify_mm", "cache")]
-    assert close_calls.pending() == 1
+    assert close_calls.pending() == 1 and close_calls.open_calls() == 0  # as a clear win
 
 
 def test_close_calls_are_measured_before_clear_wins(cache):
-    """One model, two convs: the second's screen is a clear win, the first's a close call; the
+    """One model, two convs: the first's screen is a clear win, the second's a close call; the
     budget goes to the close call first (a clear win is more often right)."""
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 4, 4), torch.nn.Conv2d(8, 8, 2, 2))
     x = torch.randn(2, 4, 32, 32)
     prev = screen.set_screen(lambda site, cands, dt: {
-        "aten": 2e-3, **{c.name: (1e-3 if site.call.weight.shape[1] == 8 else 2.1e-3)
+        "aten": 2e-3, **{c.name: (1e-3 if site.call.weight.shape[1] == 4 else 2.1e-3)
                          for c in cands}})
     selection.set_timer(lambda label, fn, budget: {"aten": 1.0}.get(label, 0.9))
     try:
-        assert _compile_rules(m, x) == [(None, "screen"), ("patchify_mm", "screen")]
+        assert _compile_rules(m, x) == [("patchify_mm", "screen"), (None, "screen")]
         assert (close_calls.open_calls(), close_calls.pending()) == (1, 2)
         said = []
         settled, left, _ = close_calls.settle(progress=said.append)
@@ -308,6 +309,41 @@ def test_the_warm_up_says_how_many_clear_wins_it_measured(clear_patchify):
     assert s.clear_win and s.changed and result.settling.left_open == 0
     assert "0 measured (and 1 of the screen's clear wins)" in str(result)
     assert json.loads(json.dumps(result.to_dict()))["settling"]["settled"][0]["clear_win"]
+
+
+def test_a_warm_up_without_a_budget_says_which_clear_wins_it_did_not_measure(clear_patchify):
+    """Nothing was undecided: no close call is left open, the clear win is not measured."""
+    m, x = _model()
+    with torch.no_grad():
+        _, result = convlower.warmup(m, (x,), iters=0, settle_budget_s=0)
+    se = result.settling
+    assert (se.settled, se.left_open, se.clear_wins_left) == ([], 0, 1)
+    assert "close calls:" not in str(result)
+
+
+def test_a_failed_measurement_of_a_clear_win_changes_nothing(clear_patchify):
+    m, x = _model()
+    _compile_rules(m, x)
+    before = selection.decisions_digest()
+
+    def fails(label, fn, budget):
+        raise MemoryError("out of memory")
+
+    selection.set_timer(fails)
+    (s,), _, _ = close_calls.settle()
+    assert s.rule is None and "measurement failed" in s.why and not s.changed
+    assert selection.decisions_digest() == before
+    assert _compile_rules(m, x) == [("patchify_mm", "cache")]  # the screen's, cached
+
+
+def test_an_eager_conv_clear_win_is_judged_on_the_figures_it_won_on(cache):
+    """eager_conv wins against the original in Inductor's layout (0.8x), not against eager's
+    best layout of the same call (1.0x)."""
+    from convlower.selection.close_calls import _Open, _screen_ratio
+
+    times = {"aten": 1e-3, screen.INDUCTOR_LAYOUT: 1.25e-3, "eager_conv": 1e-3}
+    call = _Open(None, (), ("eager_conv",), "k", None, times, "eager_conv", clear_win=True)
+    assert _screen_ratio(call) == pytest.approx(0.8)
 
 
 def test_a_clear_winner_is_no_rival_of_itself():

@@ -44,12 +44,14 @@ class _Open:
 
 @dataclasses.dataclass
 class Settled:
-    """One close call, measured: what it was, what the screen leaned to, what won compiled."""
+    """One close call (or one of the screen's clear wins), measured: what it was, what the
+    screen leaned to, what won compiled."""
 
     conv: str                  # the call, in words (sizes, stride, dtype, phase)
     rule: Optional[str]        # the measured choice, as a label (None: the original stays)
     changed: bool              # the choice differs from what the screen chose
-    screen_ratio: Optional[float]    # best close candidate / original, as the screen predicts
+    screen_ratio: Optional[float]    # best close candidate (a clear win: the winner) /
+                                     # original, as the screen predicts
     compiled_ratio: Optional[float]  # best candidate / original, compiled and timed
     saved_s: float             # seconds per call of this conv the change saves (>= 0)
     seconds: float             # what measuring it cost
@@ -58,7 +60,10 @@ class Settled:
 
     @property
     def agrees(self) -> Optional[bool]:
-        """Whether the screen's lean (a rule if its ratio was < 1) was the measured pick."""
+        """Whether the screen's lean (a rule if its ratio was < 1; a clear win: that rule) was
+        the measured pick."""
+        if self.clear_win:
+            return not self.changed
         if self.screen_ratio is None:
             return None
         return (self.screen_ratio < 1.0) == (self.rule is not None)
@@ -150,7 +155,9 @@ def _measure(call: _Open) -> Settled:
     rule = decision.label
     was, now = t.get(call.chosen or "aten"), t.get(rule or "aten")
     saved = max(was - now, 0.0) if was is not None and now is not None else 0.0
-    return Settled(conv=_describe(call.site), rule=rule, changed=rule != call.chosen,
+    # a failed measurement stores nothing: the next compile keeps what the screen chose
+    changed = rule != call.chosen and CACHE.lookup(call.key) is not None
+    return Settled(conv=_describe(call.site), rule=rule, changed=changed,
                    screen_ratio=_screen_ratio(call), seconds=decision.seconds,
                    compiled_ratio=t[best] / base if best and base else None,
                    saved_s=saved, why=decision.why, clear_win=call.clear_win)
@@ -166,6 +173,11 @@ def _from_seed(call: _Open, seeded: dict) -> Decision:
 
 def _screen_ratio(call: _Open) -> Optional[float]:
     base = call.screen.get("aten")
+    if call.clear_win:  # the figures it won on (auto.judge): the winner's eager run, and
+        name = call.close[0]  # eager_conv's against the original in Inductor's layout
+        if name == screen.EAGER_CONV.name:
+            base = call.screen.get(screen.INDUCTOR_LAYOUT, base)
+        return call.screen[name] / base if name in call.screen and base else None
     times = [screen.predicted(call.screen, n) for n in call.close if n in call.screen]
     return min(times) / base if times and base else None
 

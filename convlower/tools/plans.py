@@ -115,9 +115,10 @@ def _settle(res: dict, budget_s: float, progress: Progress) -> None:
         return
     progress.say(f"convlower: measuring {close_calls.open_calls()} close call(s) and "
                  f"{close_calls.pending() - close_calls.open_calls()} clear win(s) compiled")
-    settled, left, seconds = close_calls.settle(budget_s, progress=progress.say)
-    res["settling"] = {"settled": [s.to_dict() for s in settled], "left_open": left,
-                       "seconds": seconds}
+    settled, _, seconds = close_calls.settle(budget_s, progress=progress.say)
+    res["settling"] = {"settled": [s.to_dict() for s in settled],
+                       "left_open": close_calls.open_calls(), "seconds": seconds,
+                       "clear_wins_left": close_calls.pending() - close_calls.open_calls()}
 
 
 def _steady_state(run, inductor_options, runs: int, warmup: int, progress) -> dict:

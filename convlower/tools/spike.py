@@ -51,7 +51,7 @@ class SpikeConfig:
     options: dict = dataclasses.field(default_factory=dict)  # convlower options
     progress: bool = True
     session_calls: int = 1000  # the session length the recommendation names a plan for
-    settle_budget_s: float = 120.0  # measuring convlower's close calls after its warm compile
+    settle_budget_s: float = 120.0  # measuring convlower's close calls (then its clear wins)
 
 
 # -- the model ---------------------------------------------------------------------------------

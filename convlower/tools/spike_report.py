@@ -108,7 +108,9 @@ def settling_lines(se: Optional[dict]) -> list[str]:
     wins = sum(bool(x.get("clear_win")) for x in se["settled"])
     return [f"\nclose calls measured compiled after the warm compile: "
             f"{len(se['settled']) - wins} (and {wins} of the screen's clear wins) in "
-            f"{se['seconds']:.1f} s, {len(changed)} changed, {se['left_open']} left open"] + \
+            f"{se['seconds']:.1f} s, {len(changed)} changed, {se['left_open']} left open"
+            + (f", {se['clear_wins_left']} clear wins not measured"
+               if se.get("clear_wins_left") else "")] + \
         [f"    {x['conv']}: {x['rule'] or 'original'} ({x['why']})" for x in changed]
 
 

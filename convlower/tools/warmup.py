@@ -50,10 +50,11 @@ class Settling:
     cost."""
 
     settled: list = dataclasses.field(default_factory=list)  # selection.close_calls.Settled
-    left_open: int = 0            # calls the budget left unmeasured
+    left_open: int = 0            # close calls the budget left unmeasured
     seconds: float = 0.0          # measuring them
     recompile_s: float = 0.0      # compiling the model again with the changed choices
     steps_before_s: list = dataclasses.field(default_factory=list)  # compiled steps before
+    clear_wins_left: int = 0      # the screen's clear wins the budget left unmeasured
 
     @property
     def changed(self) -> list:
@@ -62,7 +63,7 @@ class Settling:
     def to_dict(self) -> dict:
         return {"settled": [s.to_dict() for s in self.settled], "left_open": self.left_open,
                 "seconds": self.seconds, "recompile_s": self.recompile_s,
-                "steps_before_s": self.steps_before_s,
+                "steps_before_s": self.steps_before_s, "clear_wins_left": self.clear_wins_left,
                 "saved_per_call_s": sum(s.saved_s for s in self.settled)}
 
 
@@ -113,7 +114,9 @@ class WarmupResult:
             worth = sum(s.saved_s for s in se.changed)
             lines.append(f"  close calls: {_measured(se.settled)} in {se.seconds:.1f} s, "
                          f"{len(se.changed)} changed (worth {worth * 1e3:.3g} ms per call; "
-                         f"recompiled in {se.recompile_s:.1f} s), {se.left_open} left open")
+                         f"recompiled in {se.recompile_s:.1f} s), {se.left_open} left open"
+                         + (f", {se.clear_wins_left} clear wins not measured"
+                            if se.clear_wins_left else ""))
             lines += [f"    {s.conv}: {s.rule or 'original'} ({s.why})" for s in se.changed]
         if self.plans:
             lines += self.plans.lines()
@@ -196,7 +199,7 @@ def warmup(model, example_inputs, *, options: Optional[dict] = None,
     verdict).  ``backward``: each step also runs a backward (of the outputs' sum); gradients
     the warm-up produced are discarded.  Run it in the grad mode you will run the model in
     (e.g. inside ``torch.no_grad()`` for inference), or the first real call recompiles.
-    ``settle_budget_s``: seconds to spend measuring close calls after the compile (0: none).
+    ``settle_budget_s``: seconds to measure close calls, then the screen's clear wins (0: none).
     ``save_compiled``: with ``cache_dir``, save the compiled model whole and load it in the
     next process without tracing it again (:mod:`convlower.saved`; models without graph
     breaks).  ``compare_plans``: first time every plan side by side on this model (Inductor,
@@ -290,9 +293,12 @@ def _measured(settled: list) -> str:
 
 
 def _settle_close_calls(budget_s: float) -> Settling:
-    if budget_s <= 0 or not _settle.pending():
-        return Settling(left_open=_settle.pending())
-    return Settling(*_settle.settle(budget_s, progress=lambda m: log.info("convlower: %s", m)))
+    settled, seconds = [], 0.0
+    if budget_s > 0 and _settle.pending():
+        settled, _, seconds = _settle.settle(budget_s,
+                                             progress=lambda m: log.info("convlower: %s", m))
+    return Settling(settled, left_open=_settle.open_calls(), seconds=seconds,
+                    clear_wins_left=_settle.pending() - _settle.open_calls())
 
 
 def _recompile(start: WarmStart, inputs, backward: bool, iters: int) -> tuple[float, list, Any]:
