@@ -372,3 +372,12 @@ def test_clear_winners_close_to_each_other_are_settled_at_warm_up():
     rule, why, close = auto.judge(times, by_name)
     assert rule is RULES["time_fold_conv2d"] and close == {"time_fold_conv2d", "patchify_mm"}
     assert "patchify_mm may beat it compiled" in why
+
+
+def test_a_process_that_never_warms_up_keeps_a_bounded_number_of_noted_calls(clear_patchify,
+                                                                              monkeypatch):
+    monkeypatch.setattr(close_calls, "MAX_OPEN", 1)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 4, 4), torch.nn.Conv2d(8, 8, 2, 2))
+    assert _compile_rules(m, torch.randn(2, 4, 32, 32)) == [("patchify_mm", "screen")] * 2
+    assert close_calls.pending() == 1

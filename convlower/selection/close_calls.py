@@ -74,6 +74,9 @@ class Settled:
 
 _OPEN: dict[str, _Open] = {}
 _lock = threading.Lock()
+# A noted call holds its graph's fake tensors until a warm-up measures it: a process that
+# compiles many models and never warms up keeps at most this many (the first ones noted).
+MAX_OPEN = 1024
 
 
 def note_close(site: ConvSite, candidates: Sequence[Rule], close: Sequence[str],
@@ -97,7 +100,8 @@ def note_clear_win(site: ConvSite, candidates: Sequence[Rule], compute_dtype: Op
 def _note(call: _Open) -> None:
     call.key = decision_key(call.site, call.candidates, call.compute_dtype, measure.METHOD)
     with _lock:
-        _OPEN.setdefault(call.key, call)
+        if len(_OPEN) < MAX_OPEN:
+            _OPEN.setdefault(call.key, call)
 
 
 def open_calls() -> int:
