@@ -104,16 +104,21 @@ def _note(call: _Open) -> None:
             _OPEN.setdefault(call.key, call)
 
 
+def waiting() -> tuple[int, int]:
+    """(close calls, the screen's clear wins) not measured yet."""
+    with _lock:
+        wins = sum(c.clear_win for c in _OPEN.values())
+        return len(_OPEN) - wins, wins
+
+
 def open_calls() -> int:
     """Close calls not measured yet (the screen's clear wins waiting for a look: :func:`pending`)."""
-    with _lock:
-        return sum(not c.clear_win for c in _OPEN.values())
+    return waiting()[0]
 
 
 def pending() -> int:
     """Calls a warm-up would measure: the close calls and the screen's clear wins."""
-    with _lock:
-        return len(_OPEN)
+    return sum(waiting())
 
 
 def forget() -> None:

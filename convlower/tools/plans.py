@@ -111,14 +111,14 @@ def _warm_compile(run, backend, inductor_options, progress, res) -> None:
 def _settle(res: dict, budget_s: float, progress: Progress) -> None:
     """Measure the close calls the cold compile's screen left, then its clear wins
     (selection/close_calls.py)."""
-    if budget_s <= 0 or not close_calls.pending():
+    close, wins = close_calls.waiting()
+    if budget_s <= 0 or not close + wins:
         return
-    progress.say(f"convlower: measuring {close_calls.open_calls()} close call(s) and "
-                 f"{close_calls.pending() - close_calls.open_calls()} clear win(s) compiled")
+    progress.say(f"convlower: measuring {close} close call(s) and {wins} clear win(s) compiled")
     settled, _, seconds = close_calls.settle(budget_s, progress=progress.say)
-    res["settling"] = {"settled": [s.to_dict() for s in settled],
-                       "left_open": close_calls.open_calls(), "seconds": seconds,
-                       "clear_wins_left": close_calls.pending() - close_calls.open_calls()}
+    close, wins = close_calls.waiting()
+    res["settling"] = {"settled": [s.to_dict() for s in settled], "left_open": close,
+                       "seconds": seconds, "clear_wins_left": wins}
 
 
 def _steady_state(run, inductor_options, runs: int, warmup: int, progress) -> dict:

@@ -297,8 +297,8 @@ def _settle_close_calls(budget_s: float) -> Settling:
     if budget_s > 0 and _settle.pending():
         settled, _, seconds = _settle.settle(budget_s,
                                              progress=lambda m: log.info("convlower: %s", m))
-    return Settling(settled, left_open=_settle.open_calls(), seconds=seconds,
-                    clear_wins_left=_settle.pending() - _settle.open_calls())
+    close, wins = _settle.waiting()
+    return Settling(settled, left_open=close, seconds=seconds, clear_wins_left=wins)
 
 
 def _recompile(start: WarmStart, inputs, backward: bool, iters: int) -> tuple[float, list, Any]:
