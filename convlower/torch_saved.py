@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 import torch
 
+from . import torch_direct as _direct
+
 # Guards whose objects cannot be written to disk (identities, dict versions, weakrefs).  A
 # saved function keeps every other guard: sizes, strides, dtypes, devices, grad mode and the
 # constant attributes its trace read (a conv's padding, a module's ``training`` flag).
@@ -163,10 +165,11 @@ def _serialize_split(split_gm, parts: dict) -> bytes:
     with torch._functorch.config.patch("bundled_autograd_cache", True):
         for name, (fn, single, *more) in parts.items():
             strides = more[0] if more else ()
+            mutates = more[1] if len(more) > 1 else True
             if id(fn) not in distinct:
                 distinct[id(fn)] = len(entries)
                 entries.append(fn.serialize())
-            index[name] = (distinct[id(fn)], single, strides)
+            index[name] = (distinct[id(fn)], single, strides, mutates)
     return pickle.dumps({"graph": GraphPickler.dumps(gm, Options(ops_filter=None)),
                          "entries": entries, "index": index})
 
@@ -193,13 +196,14 @@ def _deserialize_split(data: bytes):
     return gm, parts
 
 
-def part_caller(name: str, fn, single: bool, strides: tuple = ()):
+def part_caller(name: str, fn, single: bool, strides: tuple = (), mutates: bool = True):
     """A function named ``name`` that calls compiled part ``fn``, which returns a sequence
     (a reloaded AOTAutograd entry does, also for a part that returned one value when it was
     compiled); ``single``: the part's value is that sequence's one element.  ``strides``: per
     output, the strides the parts reading it were compiled for (None: not checked); see
-    :func:`_as_traced`."""
-    run = _as_traced(fn, tuple(strides))
+    :func:`_after_first_call`.  ``mutates``: the part's graph may write in place (it never
+    goes straight to Inductor's code, torch_direct.py)."""
+    run = _after_first_call(fn, tuple(strides), mutates)
     if single:
         def call(*args):
             return run[0](*args)[0]
@@ -211,22 +215,23 @@ def part_caller(name: str, fn, single: bool, strides: tuple = ()):
     return call
 
 
-def _as_traced(fn, strides: tuple) -> list:
-    """``[callable]``: ``fn`` once its outputs have come back with the strides the next parts
-    were compiled for, else ``fn`` with the wrong ones copied into them.  Inductor can hand back
-    an output in another layout than its trace's (torch 2.13: a clone it drops as a no-op, its
-    source written into a later ``cat``'s buffer), and the next part's generated code would
-    reject it.  The outputs are checked on the first call only: a compiled function's layouts
-    do not change between calls of one static shape."""
-    run: list = [fn]
-    if all(s is None for s in strides):
-        return run
+def _after_first_call(fn, strides: tuple, mutates: bool) -> list:
+    """``[callable]``, settled on the first call: Inductor's compiled code called straight
+    where an inference call is shown to need none of the wrappers (torch_direct.py), else
+    ``fn``; and its outputs copied into the strides the next parts were compiled for where
+    they come back in others.  Inductor can hand back an output in another layout than its
+    trace's (torch 2.13: a clone it drops as a no-op, its source written into a later
+    ``cat``'s buffer), and the next part's generated code would reject it.  Checked on the
+    first call only: a compiled function's layouts do not change between calls of one static
+    shape."""
+    run: list = [None]
 
     def first(*args):
-        out = fn(*args)
+        out, direct = _direct.first_call(fn, args, mutates)
         wrong = {i: s for i, s in enumerate(strides) if s is not None and i < len(out)
                  and isinstance(out[i], torch.Tensor) and _differs(out[i], s)}
-        run[0] = (lambda *a: _relaid(fn(*a), wrong)) if wrong else fn
+        then = (lambda *a: direct(list(a))) if direct is not None else fn
+        run[0] = (lambda *a: _relaid(then(*a), wrong)) if wrong else then
         return _relaid(out, wrong) if wrong else out
 
     run[0] = first

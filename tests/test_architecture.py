@@ -31,7 +31,8 @@ MAX_FUNCTION_LINES = 60
 # Layer of each top-level part of the package; a module may import its own layer or lower.
 RANKS = {
     "version": 0, "torch_internals": 0, "torch_versions": 0, "torch_caches": 0,  # leaves
-    "torch_saved": 0, "torch_kernel_batch": 0, "torch_dispatch": 0, "kernel_library": 0,
+    "torch_saved": 0, "torch_kernel_batch": 0, "torch_dispatch": 0, "torch_direct": 0,
+    "kernel_library": 0,
     "device": 0, "private_files": 0,
     "observe": 1,  # records, report, stats: a leaf group (over torch_internals)
     "lowerings": 2, "regions": 2,  # regions: a room of its own, the backend hands it a compiler
@@ -44,11 +45,12 @@ RANKS = {
 FACE = ROOT_PKG  # convlower/__init__.py re-exports from anywhere
 
 # The one module allowed to touch private torch, and the parts it re-exports (only INTERNALS
-# may import them): its per-torch-version fallbacks and Inductor's caches.
+# and the parts themselves may import them): its per-torch-version fallbacks, Inductor's
+# caches, saved compiles, kernel builds, dispatch and direct calls of compiled parts.
 INTERNALS = f"{ROOT_PKG}.torch_internals"
 VERSIONS = f"{ROOT_PKG}.torch_versions"
 PARTS = (VERSIONS, f"{ROOT_PKG}.torch_caches", f"{ROOT_PKG}.torch_saved",
-         f"{ROOT_PKG}.torch_kernel_batch", f"{ROOT_PKG}.torch_dispatch")
+         f"{ROOT_PKG}.torch_kernel_batch", f"{ROOT_PKG}.torch_dispatch", f"{ROOT_PKG}.torch_direct")
 # Private-looking torch names that are public API in practice.
 ALLOWED_PRIVATE = {
     "torch._dynamo.mark_dynamic",  # documented way to mark a dimension dynamic
@@ -272,8 +274,9 @@ def private_violations(modules: dict[str, Module]) -> list[str]:
     graph = import_graph(modules)
     return [f"{name} {use}" for name, mod in sorted(modules.items())
             if name not in (INTERNALS, *PARTS) for use in private_torch_uses(mod)] + \
-        [f"{name} (line {graph[name][part]}) imports {part}: only {INTERNALS} may"
-         for name in sorted(graph) for part in PARTS if name != INTERNALS and part in graph[name]]
+        [f"{name} (line {graph[name][part]}) imports {part}: only {INTERNALS} (and its parts) may"
+         for name in sorted(graph) for part in PARTS
+         if name not in (INTERNALS, *PARTS) and part in graph[name]]
 
 
 # -- size -----------------------------------------------------------------------------------------
@@ -381,8 +384,12 @@ def test_private_torch_check_fails_outside_torch_internals():
         f"{ROOT_PKG}.backend.x line 5: from torch import _guards",
         f"{ROOT_PKG}.backend.x line 10: T._prims_common.x",
         f"{ROOT_PKG}.backend.x line 11: torch._C._get_tracing_state",
-        f"{ROOT_PKG}.backend.y (line 2) imports {VERSIONS}: only {INTERNALS} may",
+        f"{ROOT_PKG}.backend.y (line 2) imports {VERSIONS}: only {INTERNALS} (and its parts) may",
     ]
+    # a part of the adapter may use another part
+    parts = synthetic({f"{ROOT_PKG}.torch_saved": "from . import torch_direct\n",
+                       f"{ROOT_PKG}.torch_direct": "import torch\n"})
+    assert private_violations(parts) == []
 
 
 def test_size_check_fails_on_long_code():

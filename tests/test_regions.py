@@ -379,3 +379,25 @@ def test_a_split_saved_before_parts_carried_strides_still_loads(monkeypatch):
     new = pickle.dumps({"graph": b"", "entries": [7], "index": {"compiled_a": (0, True, ((4, 1),))}})
     assert torch_saved._deserialize_split(old)[1] == {"compiled_a": ("fn7", True)}
     assert torch_saved._deserialize_split(new)[1] == {"compiled_a": ("fn7", True, ((4, 1),))}
+    pure = pickle.dumps({"graph": b"", "entries": [7],
+                         "index": {"compiled_a": (0, True, ((4, 1),), False)}})
+    assert torch_saved._deserialize_split(pure)[1] == {"compiled_a": ("fn7", True, ((4, 1),), False)}
+
+
+def test_a_saved_split_keeps_which_parts_write_in_place(monkeypatch):
+    """A part saved as writing nothing in place may go straight to Inductor's code when
+    loaded; one saved before the flag existed (format 2) never does."""
+    import pickle
+
+    from convlower import torch_saved
+
+    class Entry:
+        def serialize(self):
+            return b"entry"
+
+    monkeypatch.setattr(torch.fx._graph_pickler.GraphPickler, "dumps", lambda gm, opts: b"")
+    gm = torch.fx.symbolic_trace(nn.Identity())
+    fn = Entry()
+    parts = {"compiled_a": (fn, True, ((4, 1),), False), "compiled_b": (fn, False, ())}
+    index = pickle.loads(torch_saved._serialize_split(gm, parts))["index"]
+    assert index == {"compiled_a": (0, True, ((4, 1),), False), "compiled_b": (0, False, (), True)}

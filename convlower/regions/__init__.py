@@ -21,7 +21,8 @@ import torch.fx
 from .. import torch_internals as ti
 from ..observe import records as _records
 from .blocks import Setting, assign, shared_share
-from .partition import Part, example_inputs, return_as_tuple, returns_tuple, split
+from .partition import (Part, example_inputs, return_as_tuple, returns_tuple, split,
+                        writes_in_place)
 from .seams import channels_last_seams, channels_last_wanted, output_strides
 from .signature import signature
 
@@ -52,17 +53,21 @@ def clear() -> None:
 
 
 def _call_compiled(split_gm: torch.fx.GraphModule, part: str, fn: Callable,
-                   single: bool, strides: tuple) -> None:
+                   single: bool, strides: tuple, mutates: bool) -> None:
     """The split graph calls ``fn`` where it called submodule ``part``: a plain function call
     (an nn.Module's ``__call__`` would add its hook machinery to every call of every part).
     ``fn`` returns a sequence; ``single``: the part's value is its one element; ``strides``:
     its outputs' traced strides, which the parts reading them were compiled for
-    (seams.output_strides), checked on the first call.
+    (seams.output_strides), checked on the first call; ``mutates``: the part may write in
+    place, so it is never called straight into Inductor's code (torch_direct.py).
     ``split_gm.meta["compiled_parts"]`` names them, for a saved compile (torch_saved.py).
-    A UNet step calls some 30 parts: each layer of wrapper left out is 2-5 us per part."""
+    A UNet step calls some 30 parts: each layer of wrapper left out is 2-5 us per part, more
+    with caches cold between kernels."""
     # Dynamo is off already: it calls the split graph through its own disable wrapper
-    call = ti.part_caller(f"compiled_{part}", ti.without_dynamo_disable(fn), single, strides)
-    split_gm.meta.setdefault("compiled_parts", {})[call.__name__] = (fn, single, strides)
+    call = ti.part_caller(f"compiled_{part}", ti.without_dynamo_disable(fn), single, strides,
+                          mutates)
+    split_gm.meta.setdefault("compiled_parts", {})[call.__name__] = (fn, single, strides,
+                                                                      mutates)
     for node in split_gm.graph.nodes:
         if node.op == "call_module" and node.target == part:
             node.op, node.target = "call_function", call
@@ -125,9 +130,10 @@ def compile_regions(gm: torch.fx.GraphModule, setting: Setting, compile_graph: C
         if single:
             return_as_tuple(sub)
         strides = output_strides(sub)   # before the compile, which may change sub's graph
+        mutates = writes_in_place(sub)
         fn, how, spent, first = _compiled_part(sub, inputs, key, f"{name}.{part.name}",
                                                compile_graph)
-        _call_compiled(split_gm, part.name, fn, single, strides)
+        _call_compiled(split_gm, part.name, fn, single, strides, mutates)
         _note(name, part, key, how, spent, first, changed.get(part.name, 0),
               converted.get(part.name, 0))
     split_gm.recompile()

@@ -78,3 +78,27 @@ def return_as_tuple(sub: torch.fx.GraphModule) -> None:
     out = sub.graph.output_node()
     out.args = ((out.args[0],),)
     sub.recompile()
+
+
+def writes_in_place(sub: torch.fx.GraphModule) -> bool:
+    """Whether ``sub`` may write into a tensor in place (a ``..._`` method or function, an
+    ``inplace=`` or ``out=`` argument, an augmented assignment, an item set, a module kept as
+    a call, which could do any of these).  Conservative: True when unsure."""
+    for n in sub.graph.nodes:
+        if n.op == "call_module":
+            return True
+        if n.op not in ("call_method", "call_function"):
+            continue
+        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+        if ((name.endswith("_") and not name.startswith("__")) or n.target in _IN_PLACE
+                or n.kwargs.get("inplace") or "out" in n.kwargs):
+            return True
+        if (getattr(n.target, "__module__", "") == "torch.nn.functional"
+                and any(a is True for a in n.args[1:])):
+            return True   # perhaps ``inplace`` given by position
+    return False
+
+
+_IN_PLACE = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+             operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
+             operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
