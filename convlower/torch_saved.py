@@ -198,14 +198,16 @@ def _deserialize_split(data: bytes):
     return gm, parts
 
 
-def part_caller(name: str, fn, single: bool, strides: tuple = (), mutates: bool = True):
+def part_caller(name: str, fn, single: bool, strides: tuple = (), mutates: bool = True,
+                settled=None):
     """A function named ``name`` that calls compiled part ``fn``, which returns a sequence
     (a reloaded AOTAutograd entry does, also for a part that returned one value when it was
     compiled); ``single``: the part's value is that sequence's one element.  ``strides``: per
     output, the strides the parts reading it were compiled for (None: not checked); see
     :func:`_after_first_call`.  ``mutates``: the part's graph may write in place (it never
-    goes straight to Inductor's code, torch_direct.py)."""
-    run = _after_first_call(fn, tuple(strides), mutates)
+    goes straight to Inductor's code, torch_direct.py); ``settled(direct)``, if given, is told
+    on the first call whether the later ones go straight."""
+    run = _after_first_call(fn, tuple(strides), mutates, settled)
     if single:
         def call(*args):
             return run[0](*args)[0]
@@ -217,7 +219,7 @@ def part_caller(name: str, fn, single: bool, strides: tuple = (), mutates: bool 
     return call
 
 
-def _after_first_call(fn, strides: tuple, mutates: bool) -> list:
+def _after_first_call(fn, strides: tuple, mutates: bool, settled=None) -> list:
     """``[callable]``, settled on the first call: Inductor's compiled code called straight
     where an inference call is shown to need none of the wrappers (torch_direct.py), else
     ``fn``; and its outputs copied into the strides the next parts were compiled for where
@@ -234,6 +236,8 @@ def _after_first_call(fn, strides: tuple, mutates: bool) -> list:
                  and isinstance(out[i], torch.Tensor) and _differs(out[i], s)}
         then = (lambda *a: direct(list(a))) if direct is not None else fn
         run[0] = (lambda *a: _relaid(then(*a), wrong)) if wrong else then
+        if settled is not None:
+            settled(direct is not None)
         return _relaid(out, wrong) if wrong else out
 
     run[0] = first

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 from torch._inductor.output_code import CompiledFxGraph
 
+import convlower
 from convlower import torch_direct
 from convlower.regions.partition import writes_in_place
 
@@ -66,6 +67,9 @@ def test_inference_calls_after_the_first_run_no_wrapper(monkeypatch):
     assert calls == []   # every part went straight to its generated code
     for out in (first, *later):
         assert_close(out, eager)
+    parts = [r for r in convlower.report().regions if r.signature]
+    assert parts and all(r.direct is True for r in parts)
+    assert f"{len(parts)} of {len(parts)} parts called so far straight" in str(convlower.report())
 
 
 def test_training_calls_keep_the_wrappers(monkeypatch):
@@ -90,6 +94,7 @@ def test_a_part_that_writes_in_place_keeps_the_wrappers(monkeypatch):
         eager = model(x)
     assert len(calls) >= 3
     assert_close(out, eager)
+    assert [r.direct for r in convlower.report().regions if r.block == "Block"] == [False] * 3
 
 
 class _Graph:

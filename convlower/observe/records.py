@@ -106,6 +106,8 @@ class RegionRecord(_Record):
     channels_last_out: int = 0      # outputs handed to the next part channels-last (seams.py)
     inputs_converted: int = 0       # inputs the split graph converts to its layout per call
     whole: bool = False             # not split: "auto" found too little repeated (the graph)
+    direct: Optional[bool] = None   # inference calls go straight to Inductor's code
+                                    # (torch_direct.py); None until its first call
 
 
 KINDS = {"convolutions": ConvRecord, "snake": SnakeRecord, "compiles": CompileRecord,

@@ -136,10 +136,13 @@ class Report:
         views = sum(1 for r in self.regions if not r.signature) - len(whole)
         seams = sum(r.channels_last_out for r in self.regions)
         converted = sum(r.inputs_converted for r in self.regions)
+        called = [r.direct for r in self.regions if r.direct is not None]
+        direct = (f", {sum(called)} of {len(called)} parts called so far straight into "
+                  f"Inductor's code" if called else "")
         head = ["block", "signature", "instances", "compiled", "compile s", "nodes"]
         return (f"regions ({len(self.regions) - len(whole)} parts, {len(rows)} compiled, "
                 f"{views} run as is, {seams} seams channels-last, {converted} inputs converted "
-                f"per call):\n"
+                f"per call{direct}):\n"
                 + _fmt_table(table, head, flexible=(0,))
                 + "".join(f"\n{w}" for w in whole))
 

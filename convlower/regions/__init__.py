@@ -53,19 +53,21 @@ def clear() -> None:
 
 
 def _call_compiled(split_gm: torch.fx.GraphModule, part: str, fn: Callable,
-                   single: bool, strides: tuple, mutates: bool) -> None:
+                   single: bool, strides: tuple, mutates: bool,
+                   settled: Optional[Callable[[bool], None]] = None) -> None:
     """The split graph calls ``fn`` where it called submodule ``part``: a plain function call
     (an nn.Module's ``__call__`` would add its hook machinery to every call of every part).
     ``fn`` returns a sequence; ``single``: the part's value is its one element; ``strides``:
     its outputs' traced strides, which the parts reading them were compiled for
     (seams.output_strides), checked on the first call; ``mutates``: the part may write in
-    place, so it is never called straight into Inductor's code (torch_direct.py).
+    place, so it is never called straight into Inductor's code (torch_direct.py); ``settled``
+    hears on the first call whether later ones are.
     ``split_gm.meta["compiled_parts"]`` names them, for a saved compile (torch_saved.py).
     A UNet step calls some 30 parts: each layer of wrapper left out is 2-5 us per part, more
     with caches cold between kernels."""
     # Dynamo is off already: it calls the split graph through its own disable wrapper
     call = ti.part_caller(f"compiled_{part}", ti.without_dynamo_disable(fn), single, strides,
-                          mutates)
+                          mutates, settled)
     split_gm.meta.setdefault("compiled_parts", {})[call.__name__] = (fn, single, strides,
                                                                       mutates)
     for node in split_gm.graph.nodes:
@@ -133,16 +135,19 @@ def compile_regions(gm: torch.fx.GraphModule, setting: Setting, compile_graph: C
         mutates = writes_in_place(sub)
         fn, how, spent, first = _compiled_part(sub, inputs, key, f"{name}.{part.name}",
                                                compile_graph)
-        _call_compiled(split_gm, part.name, fn, single, strides, mutates)
-        _note(name, part, key, how, spent, first, changed.get(part.name, 0),
-              converted.get(part.name, 0))
+        rec = _note(name, part, key, how, spent, first, changed.get(part.name, 0),
+                    converted.get(part.name, 0))
+        _call_compiled(split_gm, part.name, fn, single, strides, mutates,
+                       settled=lambda direct, rec=rec: setattr(rec, "direct", direct))
     split_gm.recompile()
     return split_gm
 
 
 def _note(graph: str, part: Part, key: str, how: str, spent: float, first: str,
-          channels_last_out: int, inputs_converted: int) -> None:
-    _records.record(_records.RegionRecord(
+          channels_last_out: int, inputs_converted: int) -> _records.RegionRecord:
+    rec = _records.RegionRecord(
         graph=graph, part=part.name, block=part.block or "(glue)", signature=key,
         nodes=part.nodes, how=how, compile_s=round(spent, 3), shared_from=first,
-        channels_last_out=channels_last_out, inputs_converted=inputs_converted))
+        channels_last_out=channels_last_out, inputs_converted=inputs_converted)
+    _records.record(rec)
+    return rec
