@@ -112,7 +112,11 @@ def test_the_direct_call_is_refused_where_a_wrapper_did_something():
     a, b = torch.randn(2), torch.randn(2)
     out = [a * 2]
     graph = _Graph()
-    direct = torch_direct._direct
+    v = torch_direct._versions((a, b))
+
+    def direct(seen, args, outs, versions=v):
+        return torch_direct._direct(seen, args, outs, versions)
+
     with torch.no_grad():
         assert direct([(graph, [a, b], out)], (a, b), out) == graph.current_callable
         assert direct(_seen([a.detach(), b], out), (a, b), out) is None  # detached
@@ -121,13 +125,48 @@ def test_the_direct_call_is_refused_where_a_wrapper_did_something():
         assert direct(_seen([a, b], [out[0] + 0]), (a, b), out) is None  # regenerated
         assert direct(_seen([a, b], out) * 2, (a, b), out) is None   # two graphs ran
         assert direct([], (a, b), out) is None
+        assert direct(_seen([a, 3], out), (a, 3), out, v[:1]) is None   # a size argument
         cuda_graphs = _Graph()
         cuda_graphs.cudagraph_info = object()
         assert direct(_seen([a, b], out, cuda_graphs), (a, b), out) is None
-        marked = [a * 3]
-        torch._dynamo.mark_dynamic(marked[0], 0)
-        assert direct(_seen([a, b], marked), (a, b), marked) is None
-    assert direct(_seen([a, b], out), (a, b), out) is None   # grad on
+
+        class Unknown:   # a torch whose compiled graphs say nothing about CUDA graphs
+            current_callable = _Graph.current_callable
+        assert direct(_seen([a, b], out, Unknown()), (a, b), out) is None
+        for mark in ("_dynamo_dynamic_indices", "_dynamo_propagated_dynamic_indices"):
+            marked = [a * 3]
+            setattr(marked[0], mark, {0})
+            assert direct(_seen([a, b], marked), (a, b), marked) is None
+        b.add_(1)   # the wrapper bumped a mutated input's version
+        assert direct(_seen([a, b], out), (a, b), out) is None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert direct(_seen([a, b], out), (a, b), out, torch_direct._versions((a, b))) is None
+    assert direct(_seen([a, b], out), (a, b), out, torch_direct._versions((a, b))) is None  # grad
+
+
+def test_inference_tensors_have_no_version_to_compare():
+    with torch.inference_mode():
+        x = torch.randn(2)
+    w = torch.randn(2)
+    assert torch_direct._versions((x, w, 3)) == [None, w._version]
+
+
+def test_autocast_and_dynamic_sizes_keep_the_wrappers(monkeypatch):
+    torch.manual_seed(0)
+    model = Stack().eval()
+    x = torch.randn(2, 5, 16)
+    for autocast, dynamic in ((True, False), (False, True)):
+        compiled = torch.compile(model, backend="convlower", dynamic=dynamic,
+                                 options={"regions": ["Block"]})
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            compiled(x)
+            calls = _graph_calls(monkeypatch)
+            out = compiled(x)
+            eager = model(x)
+        assert len(calls) >= 3, (autocast, dynamic)
+        assert_close(out.float(), eager.float(), rel=2e-2 if autocast else None)
+        monkeypatch.undo()
+        torch._dynamo.reset()
 
 
 def test_first_call_with_grad_on_or_writes_in_place_never_records():
@@ -171,7 +210,25 @@ def _add_in_place(x):
     return x * 2
 
 
+class _InPlaceReLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        return self.act(x * 2) + 1
+
+
+def _batch_norm_training(x):
+    return torch.nn.functional.batch_norm(x.view(3, 1), torch.zeros(1), torch.ones(1),
+                                          training=True) * 2
+
+
 @pytest.mark.parametrize("fn, writes", [
+    (_InPlaceReLU(), True),
+    (lambda x: torch.ops.aten.add_.Tensor(x, x) * 2, True),
+    (lambda x: x.__iadd__(x) * 2, True),
+    (_batch_norm_training, True),
     (lambda x: torch.relu(x) * 2, False),
     (lambda x: x.add_(1) * 2, True),
     (lambda x: torch.nn.functional.relu(x, inplace=True) * 2, True),

@@ -385,8 +385,8 @@ def test_a_split_saved_before_parts_carried_strides_still_loads(monkeypatch):
 
 
 def test_a_saved_split_keeps_which_parts_write_in_place(monkeypatch):
-    """A part saved as writing nothing in place may go straight to Inductor's code when
-    loaded; one saved before the flag existed (format 2) never does."""
+    """The saved index keeps each part's in-place flag; an entry saved before the flag
+    existed (format 2) is written back as writing in place (never called straight)."""
     import pickle
 
     from convlower import torch_saved

@@ -81,21 +81,27 @@ def return_as_tuple(sub: torch.fx.GraphModule) -> None:
 
 
 def writes_in_place(sub: torch.fx.GraphModule) -> bool:
-    """Whether ``sub`` may write into a tensor in place (a ``..._`` method or function, an
-    ``inplace=`` or ``out=`` argument, an augmented assignment, an item set, a module kept as
-    a call, which could do any of these).  Conservative: True when unsure."""
+    """Whether ``sub`` may write into a tensor in place (a ``..._`` method, function or op, an
+    in-place dunder, a mutable op schema, an ``inplace=``, ``training=`` (batch norm's running
+    statistics) or ``out=`` argument, an augmented assignment, an item set, a module kept as a
+    call, which could do any of these).  Conservative: True when unsure.  The first call checks
+    version counters too (torch_direct.py)."""
     for n in sub.graph.nodes:
         if n.op == "call_module":
             return True
         if n.op not in ("call_method", "call_function"):
             continue
         name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+        name = name.split(".")[0]   # an op overload: "add_.Tensor"
+        schema = getattr(n.target, "_schema", None)
         if ((name.endswith("_") and not name.startswith("__")) or n.target in _IN_PLACE
-                or n.kwargs.get("inplace") or "out" in n.kwargs):
+                or (name.startswith("__i") and name.endswith("__"))   # x.__iadd__(y)
+                or (schema is not None and schema.is_mutable)
+                or n.kwargs.get("inplace") or n.kwargs.get("training") or "out" in n.kwargs):
             return True
-        if (getattr(n.target, "__module__", "") == "torch.nn.functional"
+        if (getattr(n.target, "__module__", "") in ("torch.nn.functional", "torch")
                 and any(a is True for a in n.args[1:])):
-            return True   # perhaps ``inplace`` given by position
+            return True   # perhaps ``inplace`` or ``training`` given by position
     return False
 
 
