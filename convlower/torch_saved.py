@@ -107,9 +107,9 @@ except ImportError:
 class SavedSplit(_Serializable):
     """A graph split into compiled parts (regions) in a form torch's AOT compile can save:
     ``split_gm``'s call_function nodes named in ``parts`` ({name: (fn, single, output
-    strides, writes in place)}) call compiled parts; each distinct part is saved as AOTAutograd's bundled entry,
-    the graph with torch's GraphPickler.  At module level: the saved blob names this class to
-    load it."""
+    strides, writes in place)}) call compiled parts; each distinct part is saved as
+    AOTAutograd's bundled entry, the graph with torch's GraphPickler.  At module level: the
+    saved blob names this class to load it."""
 
     def __init__(self, split_gm, parts: dict):
         self.split_gm, self.parts = split_gm, parts
