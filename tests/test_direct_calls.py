@@ -6,6 +6,7 @@ from torch._inductor.output_code import CompiledFxGraph
 
 import convlower
 from convlower import torch_direct
+from convlower.backend.options import OptionError, parse
 from convlower.regions.partition import writes_in_place
 
 from helpers import assert_close
@@ -95,6 +96,21 @@ def test_a_part_that_writes_in_place_keeps_the_wrappers(monkeypatch):
     assert len(calls) >= 3
     assert_close(out, eager)
     assert [r.direct for r in convlower.report().regions if r.block == "Block"] == [False] * 3
+
+
+def test_part_calls_wrapped_keeps_the_wrappers(monkeypatch):
+    torch.manual_seed(0)
+    model, x = Stack().eval(), torch.randn(2, 5, 16)
+    compiled = torch.compile(model, backend="convlower",
+                             options={"regions": ["Block"], "part_calls": "wrapped"})
+    with torch.no_grad():
+        compiled(x)
+        calls = _graph_calls(monkeypatch)
+        compiled(x)
+    assert len(calls) >= 3
+    assert not any(r.direct for r in convlower.report().regions)
+    with pytest.raises(OptionError, match="part_calls"):
+        parse({"part_calls": "fast"})
 
 
 class _Graph:

@@ -100,7 +100,8 @@ def convlower_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[s
         try:  # the parts' kernels built together once all parts are compiled
             with ti.kernels_built_at_end():
                 split = compile_regions(gm, opts.regions, context=context,
-                                        compile_graph=lambda g, x: _compile_graph(g, x, mode, opts))
+                                        compile_graph=lambda g, x: _compile_graph(g, x, mode, opts),
+                                        direct_calls=opts.part_calls == "direct")
         except CompileError:
             raise  # a part failed as a whole graph would have: the same error
         except Exception as e:  # splitting must never break a compile: the graph goes whole

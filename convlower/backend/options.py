@@ -21,6 +21,7 @@ SNAKE_ROUTES = ("auto", "eager", "fused")
 COMPUTE_DTYPES = (None, "bfloat16")
 FALLBACKS = ("error", "inductor")
 KERNEL_BUILDS = ("together", "separate")
+PART_CALLS = ("direct", "wrapped")
 
 ENV = {
     "rules": "CONVLOWER_RULES",
@@ -31,6 +32,7 @@ ENV = {
     "fallback": "CONVLOWER_FALLBACK",
     "regions": "CONVLOWER_REGIONS",
     "kernel_builds": "CONVLOWER_KERNEL_BUILDS",
+    "part_calls": "CONVLOWER_PART_CALLS",
 }
 
 
@@ -49,14 +51,17 @@ class Options:
     inductor: tuple[tuple[str, Any], ...] = ()  # Inductor config keys passed through
     regions: Any = "off"  # "off" | "auto" | tuple of block class names (docs/regions.md)
     kernel_builds: str = "together"  # a graph's C++ kernels in a few libraries (docs/regions.md)
+    part_calls: str = "direct"  # regions' inference calls straight into Inductor's code
 
     def key(self) -> dict:
         """What identifies these settings in cache keys (JSON-ready).  ``regions`` only
-        decides which graphs are compiled and ``kernel_builds`` how the generated kernels are
-        built, not what a graph compiles to: left out."""
+        decides which graphs are compiled, ``kernel_builds`` how the generated kernels are
+        built and ``part_calls`` how compiled parts are called, not what a graph compiles to:
+        left out."""
         d = dataclasses.asdict(self)
         d.pop("regions")
         d.pop("kernel_builds")
+        d.pop("part_calls")
         d["inductor"] = [[k, repr(v)] for k, v in self.inductor]
         return d
 
@@ -116,6 +121,7 @@ def parse(options: Optional[dict] = None, env: Optional[dict] = None,
         regions=_parse_regions(ours.get("regions", "off")),
         kernel_builds=_choice("kernel_builds", ours.get("kernel_builds", "together"),
                               KERNEL_BUILDS),
+        part_calls=_choice("part_calls", ours.get("part_calls", "direct"), PART_CALLS),
     )
 
 

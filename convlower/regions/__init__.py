@@ -99,11 +99,13 @@ def _compiled_part(sub, inputs: list, key: str, label: str, compile_graph) -> tu
 
 
 def compile_regions(gm: torch.fx.GraphModule, setting: Setting, compile_graph: Callable,
-                    context: str = "") -> Optional[torch.fx.GraphModule]:
+                    context: str = "",
+                    direct_calls: bool = True) -> Optional[torch.fx.GraphModule]:
     """``gm`` split into region and glue parts, each compiled with ``compile_graph(part,
     example_inputs)`` or sharing the function an identical part compiled; None when
     ``setting`` finds no region in ``gm`` (the caller then compiles the graph whole).
-    ``context`` names what else the compiled code depends on (options, mode)."""
+    ``context`` names what else the compiled code depends on (options, mode);
+    ``direct_calls``: inference calls may go straight to Inductor's code (torch_direct.py)."""
     owner = assign(gm, setting)
     if not any(owner.values()):
         return None
@@ -132,7 +134,7 @@ def compile_regions(gm: torch.fx.GraphModule, setting: Setting, compile_graph: C
         if single:
             return_as_tuple(sub)
         strides = output_strides(sub)   # before the compile, which may change sub's graph
-        mutates = writes_in_place(sub)
+        mutates = writes_in_place(sub) or not direct_calls   # either way: never direct
         fn, how, spent, first = _compiled_part(sub, inputs, key, f"{name}.{part.name}",
                                                compile_graph)
         rec = _note(name, part, key, how, spent, first, changed.get(part.name, 0),
