@@ -9,7 +9,8 @@ and checks each plan's output against eager (fp32, relative to the output's larg
 
 Plans: ``inductor`` (whole graph), ``convlower`` (whole graph), ``regions`` (convlower,
 ``regions="auto"``), ``blocks`` (the model's own ``compile_repeated_blocks()``, diffusers,
-where it has one).  Compile seconds are ``torch.compile()`` plus the first call, minus one step.
+where it has one); on request ``regions-wrapped`` (``regions`` with ``part_calls="wrapped"``:
+every part call through AOTAutograd's and Inductor's wrappers, docs/regions.md).  Compile seconds are ``torch.compile()`` plus the first call, minus one step.
 Break-even calls: compile seconds / (eager step - plan step).
 
     .venv/bin/python bench/bench_regions.py     # sdxl-unet, wan-vae, wan-vae-clip, wan-dit-stack
@@ -28,7 +29,8 @@ import time
 from fresh_process import machine_line, new_cache, run_worker  # noqa: E402
 
 HERE = os.path.abspath(__file__)
-PLANS = ("inductor", "convlower", "regions", "blocks")
+PLANS = ("inductor", "convlower", "regions", "blocks")   # the default set
+MORE_PLANS = ("regions-wrapped",)
 
 
 SETUP = {"device": "cpu", "dtype": "float32"}
@@ -65,11 +67,13 @@ def _plan(model, plan: str):
 
     if plan == "inductor":
         return torch.compile(model, backend="inductor")
-    if plan in ("convlower", "regions"):
+    if plan in ("convlower", "regions", "regions-wrapped"):
         import convlower  # the backend by object: works without the entry point installed
 
         return torch.compile(model, backend=convlower.convlower_backend,
-                             options={"regions": "auto" if plan == "regions" else "off"})
+                             options={"regions": "off" if plan == "convlower" else "auto",
+                                      "part_calls": "wrapped" if plan == "regions-wrapped"
+                                      else "direct"})
     inner = _own_blocks(model)
     inner.compile_repeated_blocks(backend="inductor")  # in place: the model's blocks compiled
     return model
@@ -119,7 +123,7 @@ def child_compile(name, size, plan, train) -> dict:
     first = time.perf_counter() - t0
     step = _steady(fn, inputs, train, 2)
     out = {"compile_s": max(first - step, 0.0)}
-    if plan == "regions":
+    if plan.startswith("regions"):
         import convlower
 
         regs = convlower.report().to_dict()["regions"]
@@ -219,7 +223,7 @@ def table(name: str, res: dict) -> str:
             continue
         gain = eager - step if eager else 0.0
         breakeven = f"{cold / gain:.0f}" if gain > 0 else "never"
-        extra = _regions_label(res[plan]["cold"]) if plan == "regions" else ""
+        extra = _regions_label(res[plan]["cold"]) if plan.startswith("regions") else ""
         warm = "–" if warm is None else f"{warm:.1f}"  # --no-warm
         rows.append(f"| {name} | {plan}{extra} | {cold:.1f} | {warm} | {step * 1e3:.1f} | "
                     f"{cold / ind_cold:.2f} | {_step_ratio(res['steps'], plan, step / ind)} | "
@@ -236,12 +240,16 @@ def main() -> None:
     ap.add_argument("--json", help="write the raw figures here")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--plans", default=",".join(PLANS), help="a subset of " + ",".join(PLANS))
+    ap.add_argument("--plans", default=",".join(PLANS),
+                    help="a subset of " + ",".join(PLANS + MORE_PLANS))
     ap.add_argument("--timeout", type=float, default=None, help="seconds per child process")
     ap.add_argument("--no-warm", action="store_true", help="skip the warm-load processes")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--setup", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    unknown = set(a.plans.split(",")) - set(PLANS + MORE_PLANS)
+    if unknown:
+        ap.error(f"unknown plans {sorted(unknown)}; valid: {', '.join(PLANS + MORE_PLANS)}")
     SETUP.update(json.loads(a.setup) if a.setup else dict(
         device=a.device, dtype=a.dtype, plans=a.plans.split(","), timeout=a.timeout,
         warm=not a.no_warm))
