@@ -10,7 +10,8 @@ and checks each plan's output against eager (fp32, relative to the output's larg
 Plans: ``inductor`` (whole graph), ``convlower`` (whole graph), ``regions`` (convlower,
 ``regions="auto"``), ``blocks`` (the model's own ``compile_repeated_blocks()``, diffusers,
 where it has one); on request ``regions-wrapped`` (``regions`` with ``part_calls="wrapped"``:
-every part call through AOTAutograd's and Inductor's wrappers, docs/regions.md).  Compile seconds are ``torch.compile()`` plus the first call, minus one step.
+every part call through AOTAutograd's and Inductor's wrappers, docs/regions.md).  Compile
+seconds are ``torch.compile()`` plus the first call, minus one step.
 Break-even calls: compile seconds / (eager step - plan step).
 
     .venv/bin/python bench/bench_regions.py     # sdxl-unet, wan-vae, wan-vae-clip, wan-dit-stack

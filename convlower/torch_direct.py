@@ -74,10 +74,12 @@ _DYNAMIC_MARKS = ("_dynamo_dynamic_indices", "_dynamo_propagated_dynamic_indices
 _ABSENT = object()
 
 
-def first_call(fn: Callable, args: tuple, mutates: bool) -> tuple[Any, Optional[Callable]]:
+def first_call(fn: Callable, args: tuple, wrapped: bool) -> tuple[Any, Optional[Callable]]:
     """``fn(*args)`` the usual way, and Inductor's compiled code to call instead from now on
-    (taking a list of the arguments) when that is shown to be the same call, else None."""
-    if mutates or not _plain_inference(args):
+    (taking a list of the arguments) when that is shown to be the same call, else None;
+    ``wrapped``: the caller keeps the wrappers anyway (the part writes in place, or
+    ``part_calls="wrapped"``)."""
+    if wrapped or not _plain_inference(args):
         return fn(*args), None
     try:
         _install()

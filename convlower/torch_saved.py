@@ -107,7 +107,7 @@ except ImportError:
 class SavedSplit(_Serializable):
     """A graph split into compiled parts (regions) in a form torch's AOT compile can save:
     ``split_gm``'s call_function nodes named in ``parts`` ({name: (fn, single, output
-    strides, writes in place)}) call compiled parts; each distinct part is saved as
+    strides, always wrapped)}) call compiled parts; each distinct part is saved as
     AOTAutograd's bundled entry, the graph with torch's GraphPickler.  At module level: the
     saved blob names this class to load it."""
 
@@ -140,7 +140,7 @@ def without_dynamo_disable(fn: Callable) -> Callable:
 def saveable_split(split_gm):
     """``split_gm`` as a callable torch's AOT compile can save: its call_function nodes named
     in ``split_gm.meta["compiled_parts"]`` ({name: (compiled function, returns one value, its
-    outputs' traced strides, writes in place)}) call compiled parts."""
+    outputs' traced strides, always wrapped)}) call compiled parts."""
     if _Serializable is object:
         return split_gm
     return SavedSplit(split_gm, split_gm.meta.get("compiled_parts", {}))
@@ -167,11 +167,11 @@ def _serialize_split(split_gm, parts: dict) -> bytes:
     with torch._functorch.config.patch("bundled_autograd_cache", True):
         for name, (fn, single, *more) in parts.items():
             strides = more[0] if more else ()
-            mutates = more[1] if len(more) > 1 else True
+            wrapped = more[1] if len(more) > 1 else True
             if id(fn) not in distinct:
                 distinct[id(fn)] = len(entries)
                 entries.append(fn.serialize())
-            index[name] = (distinct[id(fn)], single, strides, mutates)
+            index[name] = (distinct[id(fn)], single, strides, wrapped)
     return pickle.dumps({"graph": GraphPickler.dumps(gm, Options(ops_filter=None)),
                          "entries": entries, "index": index})
 
@@ -198,16 +198,17 @@ def _deserialize_split(data: bytes):
     return gm, parts
 
 
-def part_caller(name: str, fn, single: bool, strides: tuple = (), mutates: bool = True,
+def part_caller(name: str, fn, single: bool, strides: tuple = (), wrapped: bool = True,
                 settled=None):
     """A function named ``name`` that calls compiled part ``fn``, which returns a sequence
     (a reloaded AOTAutograd entry does, also for a part that returned one value when it was
     compiled); ``single``: the part's value is that sequence's one element.  ``strides``: per
     output, the strides the parts reading it were compiled for (None: not checked); see
-    :func:`_after_first_call`.  ``mutates``: the part's graph may write in place (it never
-    goes straight to Inductor's code, torch_direct.py); ``settled(direct)``, if given, is told
+    :func:`_after_first_call`.  ``wrapped``: every call keeps AOTAutograd's and Inductor's
+    wrappers (the part may write in place, or ``part_calls="wrapped"``), else inference calls
+    may go straight to Inductor's code (torch_direct.py); ``settled(direct)``, if given, is told
     on the first call whether the later ones go straight."""
-    run = _after_first_call(fn, tuple(strides), mutates, settled)
+    run = _after_first_call(fn, tuple(strides), wrapped, settled)
     if single:
         def call(*args):
             return run[0](*args)[0]
@@ -219,7 +220,7 @@ def part_caller(name: str, fn, single: bool, strides: tuple = (), mutates: bool 
     return call
 
 
-def _after_first_call(fn, strides: tuple, mutates: bool, settled=None) -> list:
+def _after_first_call(fn, strides: tuple, wrapped: bool, settled=None) -> list:
     """``[callable]``, settled on the first call: Inductor's compiled code called straight
     where an inference call is shown to need none of the wrappers (torch_direct.py), else
     ``fn``; and its outputs copied into the strides the next parts were compiled for where
@@ -231,7 +232,7 @@ def _after_first_call(fn, strides: tuple, mutates: bool, settled=None) -> list:
     run: list = [None]
 
     def first(*args):
-        out, direct = _direct.first_call(fn, args, mutates)
+        out, direct = _direct.first_call(fn, args, wrapped)
         wrong = {i: s for i, s in enumerate(strides) if s is not None and i < len(out)
                  and isinstance(out[i], torch.Tensor) and _differs(out[i], s)}
         then = (lambda *a: direct(list(a))) if direct is not None else fn

@@ -194,12 +194,12 @@ def test_first_call_with_grad_on_or_writes_in_place_never_records():
 
     x = torch.randn(2)
     with torch.no_grad():
-        out, direct = torch_direct.first_call(fn, (x,), mutates=True)
+        out, direct = torch_direct.first_call(fn, (x,), wrapped=True)
     assert direct is None and torch.equal(out[0], x + 1)
     with torch.enable_grad():
-        assert torch_direct.first_call(fn, (x,), mutates=False)[1] is None
+        assert torch_direct.first_call(fn, (x,), wrapped=False)[1] is None
     with torch.no_grad():   # no compiled graph ran inside: nothing to call straight
-        assert torch_direct.first_call(fn, (x,), mutates=False)[1] is None
+        assert torch_direct.first_call(fn, (x,), wrapped=False)[1] is None
     assert len(ran) == 3
     assert CompiledFxGraph.__call__ is not torch_direct._spy   # the spy is gone again
 

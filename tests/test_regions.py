@@ -384,9 +384,9 @@ def test_a_split_saved_before_parts_carried_strides_still_loads(monkeypatch):
     assert torch_saved._deserialize_split(pure)[1] == {"compiled_a": ("fn7", True, ((4, 1),), False)}
 
 
-def test_a_saved_split_keeps_which_parts_write_in_place(monkeypatch):
-    """The saved index keeps each part's in-place flag; an entry saved before the flag
-    existed (format 2) is written back as writing in place (never called straight)."""
+def test_a_saved_split_keeps_which_parts_stay_wrapped(monkeypatch):
+    """The saved index keeps each part's "always wrapped" flag; an entry saved before the
+    flag existed (format 2) is written back as wrapped (never called straight)."""
     import pickle
 
     from convlower import torch_saved

@@ -53,23 +53,24 @@ def clear() -> None:
 
 
 def _call_compiled(split_gm: torch.fx.GraphModule, part: str, fn: Callable,
-                   single: bool, strides: tuple, mutates: bool,
+                   single: bool, strides: tuple, wrapped: bool,
                    settled: Optional[Callable[[bool], None]] = None) -> None:
     """The split graph calls ``fn`` where it called submodule ``part``: a plain function call
     (an nn.Module's ``__call__`` would add its hook machinery to every call of every part).
     ``fn`` returns a sequence; ``single``: the part's value is its one element; ``strides``:
     its outputs' traced strides, which the parts reading them were compiled for
-    (seams.output_strides), checked on the first call; ``mutates``: the part may write in
-    place, so it is never called straight into Inductor's code (torch_direct.py); ``settled``
+    (seams.output_strides), checked on the first call; ``wrapped``: never called straight into
+    Inductor's code (it may write in place, or ``part_calls="wrapped"``; torch_direct.py);
+    ``settled``
     hears on the first call whether later ones are.
     ``split_gm.meta["compiled_parts"]`` names them, for a saved compile (torch_saved.py).
     A UNet step calls some 30 parts: each layer of wrapper left out is 2-5 us per part, more
     with caches cold between kernels."""
     # Dynamo is off already: it calls the split graph through its own disable wrapper
     call = ti.part_caller(f"compiled_{part}", ti.without_dynamo_disable(fn), single, strides,
-                          mutates, settled)
+                          wrapped, settled)
     split_gm.meta.setdefault("compiled_parts", {})[call.__name__] = (fn, single, strides,
-                                                                      mutates)
+                                                                      wrapped)
     for node in split_gm.graph.nodes:
         if node.op == "call_module" and node.target == part:
             node.op, node.target = "call_function", call
@@ -134,12 +135,12 @@ def compile_regions(gm: torch.fx.GraphModule, setting: Setting, compile_graph: C
         if single:
             return_as_tuple(sub)
         strides = output_strides(sub)   # before the compile, which may change sub's graph
-        mutates = writes_in_place(sub) or not direct_calls   # either way: never direct
+        wrapped = writes_in_place(sub) or not direct_calls
         fn, how, spent, first = _compiled_part(sub, inputs, key, f"{name}.{part.name}",
                                                compile_graph)
         rec = _note(name, part, key, how, spent, first, changed.get(part.name, 0),
                     converted.get(part.name, 0))
-        _call_compiled(split_gm, part.name, fn, single, strides, mutates,
+        _call_compiled(split_gm, part.name, fn, single, strides, wrapped,
                        settled=lambda direct, rec=rec: setattr(rec, "direct", direct))
     split_gm.recompile()
     return split_gm
