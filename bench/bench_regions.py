@@ -3,9 +3,11 @@
 For each model, each plan compiles in a fresh process with an empty Inductor cache (cold; the
 machine's once-only ISA probe pre-made, see fresh_process.py), then
 again in a second fresh process on that cache (warm load); a last process compiles every plan
-on its warm cache and times their steps interleaved with eager (ratios; this machine is shared; each sample
-~50 ms of calls),
-and checks each plan's output against eager (fp32, relative to the output's largest value).
+on its warm cache and times their steps interleaved with eager (ratios; this machine is shared).
+Each sample is one untimed call and then consecutive calls of one plan (~0.2 s), as a generate
+loop calls its UNet, and the plans take turns in a rotated order: a sample that starts right
+after another plan's calls pays that plan's cache traffic, and a fixed order would charge it to
+the same plan every round.  The script also checks each plan's output against eager (fp32, relative to the output's largest value).
 
 Plans: ``inductor`` (whole graph), ``convlower`` (whole graph), ``regions`` (convlower,
 ``regions="auto"``), ``blocks`` (the model's own ``compile_repeated_blocks()``, diffusers,
@@ -155,11 +157,13 @@ def child_steps(name, size, plans, train, rounds) -> dict:
             out = fns[plan](*inputs).float()
         errs[plan] = float((out - ref).abs().max() / ref.abs().max())
     times = {k: [] for k in fns}
-    # each sample at least ~50 ms: single steps of ~10 ms spread 10-20% on this shared machine
-    calls = max(1, round(0.05 / _steady(fns["eager"], inputs, train, 1)))
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            times[k].append(_steady_mean(fn, inputs, train, calls))
+    # each sample ~0.2 s of calls: single steps of ~10 ms spread 10-20% on this shared machine
+    calls = max(2, round(0.2 / _steady(fns["eager"], inputs, train, 1)))
+    names = list(fns)
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            _run(fns[k], inputs, train)   # untimed: the caches hold this plan's code and data
+            times[k].append(_steady_mean(fns[k], inputs, train, calls))
     # per round, each plan against Inductor's sample of the same round: a drift of the machine
     # between rounds reaches both sides of a ratio alike
     ratios = {k: [t / i for t, i in zip(v, times["inductor"])] for k, v in times.items()
@@ -232,6 +236,21 @@ def table(name: str, res: dict) -> str:
     return "\n".join(r for r in rows if r)
 
 
+def _against_whole(name: str, steps: dict) -> str:
+    """Regions against convlower's whole graph, per round (the cost of the seams alone: on a
+    model where no conv is rewritten the whole graph runs Inductor's own code)."""
+    ratios = steps.get("step_ratios", {})
+    whole = ratios.get("convlower")
+    out = []
+    for plan in (p for p in ratios if p.startswith("regions")):
+        r = [a / b for a, b in zip(ratios[plan], whole or [])]
+        if len(r) >= 4:
+            q1, med, q3 = statistics.quantiles(sorted(r), n=4)
+            out.append(f"{plan} {med:.3f} ({q1:.2f}-{q3:.2f})")
+    return f"{name}: step / convlower whole-graph (per-round median, quartiles): " \
+        f"{'; '.join(out)}" if out else ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="sdxl-unet,wan-vae,wan-vae-clip,wan-dit-stack")
@@ -267,6 +286,10 @@ def main() -> None:
     for name in a.models.split(","):
         raw[name] = measure(name, a.size, a.train, a.rounds)
         print(table(name, raw[name]), flush=True)
+    for name, res in raw.items():
+        line = _against_whole(name, res["steps"])
+        if line:
+            print(line)
     print(machine_line())
     if a.json:
         with open(a.json, "w") as f:
