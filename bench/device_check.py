@@ -20,6 +20,11 @@ printed), rewritten after every row, so a run cut short still leaves its files:
    launch it (profiler) and the generated code of the convlower compile
    (``DIR/patch_embed_code.txt``); the Conv3d rows of ``bench/bench_conv3d.py`` in bf16; a Wan
    VAE decode in bf16; the Oobleck decoder's Snake in bf16, fused against the eager-safe op.
+3. **On request, regions** (``--sections regions``, a run of its own: three compiles of a large
+   UNet): an SDXL-layout UNet (SDXL's widths, transformer depth 1/2/4, 2x4x64x64, bf16) with
+   convlower's regions against convlower's and Inductor's whole graph: step, and the first
+   call's compile seconds (one process, regions compiled first) (issue 20: on the CPU regions
+   cost 3-5% of a step in host work, which a GPU may hide).
 
 Timing (:mod:`convlower.tools.device_timing`): CUDA events on a GPU (the wall clock with
 device synchronisation on a CPU), warm-up calls, samples of several calls, the median over
@@ -78,7 +83,9 @@ except Exception:  # recorded in the files; the run still writes them
 
 SCHEMA = 1
 PINNED_TORCH = "2.13.0"
-SECTIONS = ("patch_embed", "tests", "conv3d", "wan_vae", "snake")  # the default order
+SECTIONS = ("patch_embed", "tests", "conv3d", "wan_vae", "snake", "regions")  # in this order
+# regions compiles a large UNet three times: a run of its own (bench/device_run.sh)
+DEFAULT_SECTIONS = SECTIONS[:-1]
 RESERVE_S = 8.0  # kept back at the end for writing the files
 
 PLANS = {
@@ -90,8 +97,10 @@ PLANS = {
                  rounds=7, warmup=3, min_sample_s=0.02, budget_s=330.0, tests_timeout_s=170.0,
                  grace_s=30.0, diagnose_all=True,
                  # a row starts only if its usual cost fits; it is stopped at its limit
-                 row_cost_s=dict(tests=60, patch_embed=12, conv3d=25, wan_vae=90, snake=80),
-                 row_limit_s=dict(patch_embed=90, conv3d=100, wan_vae=180, snake=150)),
+                 row_cost_s=dict(tests=60, patch_embed=12, conv3d=25, wan_vae=90, snake=80,
+                                 regions=240),
+                 row_limit_s=dict(patch_embed=90, conv3d=100, wan_vae=180, snake=150,
+                                  regions=520)),
     # quick: CPU conv3d backward in bf16 takes seconds even on 8 patches: fp32 there
     "quick": dict(patches=8, patch_cases=[("fp32", True), ("bf16", False)],
                   conv3d_dtype="bf16", conv3d_shapes=["mochi"], conv3d_max_rules=1,
@@ -351,6 +360,10 @@ class Check:
                     self.results["notes"].extend(f"[{name}] {r}" for r in failed)
             if rep.snake:
                 info["snake_routes"] = dict(collections.Counter(s.route for s in rep.snake))
+            parts = list(getattr(rep, "regions", ()))
+            if parts:  # "compiled", "reused", "runs as is", "compiled whole"
+                info["regions"] = dict(collections.Counter(
+                    r.how.split(":")[0].split(" (")[0] for r in parts))
         except Exception as e:
             info["error"] = f"{type(e).__name__}: {e}"[:1000]
         return info
@@ -383,8 +396,9 @@ def parse_args(argv):
                     help="cuda, cuda:N, cpu, or auto (a GPU if there is one, else cpu)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, reduced grid (CPU CI)")
     ap.add_argument("--out", default="device-check-out", help="folder for the JSON + markdown")
-    ap.add_argument("--sections", default=",".join(SECTIONS),
-                    help=f"comma-separated, run in this order; any of {','.join(SECTIONS)}")
+    ap.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                    help=f"comma-separated, run in this order; any of {','.join(SECTIONS)} "
+                         f"(default: all but regions)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall seconds for the whole run from process start (full 330, quick "
                          "600): rows that would overrun are skipped, a running row stopped")

@@ -46,12 +46,16 @@ def _perf(r: dict) -> list:
              "| case | dtype | pass | eager | Inductor | convlower | others | Inductor / "
              "convlower | eager / convlower | convlower chose |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [table_row(row) for row in r.get("perf", {}).get("rows", [])]
+    rows = r.get("perf", {}).get("rows", [])
+    lines += [table_row(row) for row in rows]
+    lines += [compile_line(row) for row in rows if row.get("section") == "regions"
+              and row.get("variants")]
     lines += ["", "Ratios > 1: convlower faster, except `convlower / X` (the floors: < 1.2 is the "
               "goal for bf16 patch embedding, < 1.05 for fp32).  `compiled mm` = the same "
               "flatten + mm compiled by Inductor (same per-call overhead as any compiled call), "
               "`bare mm` = one eager `torch.mm`.  Snake rows: convlower = the fused route, "
-              "others = the eager-safe op (what HIP + bf16 gets)."]
+              "others = the eager-safe op (what HIP + bf16 gets).  Regions row: convlower = "
+              "regions, others = the whole graph, convlower's and Inductor's."]
     return lines
 
 
@@ -91,6 +95,18 @@ def _compile(r: dict) -> list:
     else:
         lines.append(comp.get("status", "not run"))
     return lines
+
+
+def compile_line(row: dict) -> str:
+    """A regions row's first calls (compile seconds, one process, regions first) and parts."""
+    v = row["variants"]
+    first = {k: v[k].get("first_call_s") for k in ("regions", "inductor", "convlower") if k in v}
+    secs = ", ".join(f"{k} {_num(s)} s" for k, s in first.items())
+    cold = (f"; regions / Inductor **{first['regions'] / first['inductor']:.2f}**"
+            if first.get("regions") and first.get("inductor") else "")
+    parts = ", ".join(f"{n} {k}" for k, n in (v.get("regions", {}).get("regions") or {}).items())
+    return (f"\n{row['case']} {row['dtype']}: first call (compile) {secs}{cold}; regions' parts: "
+            f"{parts or '-'}.")
 
 
 def summary_line(row: dict) -> str:

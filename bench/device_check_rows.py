@@ -1,7 +1,7 @@
 """The device check's performance rows (``bench/device_check.py`` runs them through
 ``Check.row``, which bounds each in time and records its error): the Qwen2.5-VL patch
 embedding (with what one call runs, and the generated code), the Conv3d rows of bench_conv3d, a Wan VAE
-decode, the Oobleck decoder's Snake."""
+decode, the Oobleck decoder's Snake; on request, an SDXL-layout UNet whole against regions."""
 from __future__ import annotations
 
 import collections
@@ -306,5 +306,53 @@ def snake(check, frames: int) -> dict:
     return {"variants": variants, "primary": "fused", "compare_to": "eager-safe"}
 
 
+# SDXL-layout UNet for regions (issue 20): SDXL's widths and conditioning, transformer depth
+# 1/2/4 (SDXL's 1/2/10), a 512-pixel latent, batch 2 (classifier-free guidance).  Quick: the
+# zoo's tiny sdxl-unet on the CPU.
+UNET = {
+    "full": dict(block_out_channels=(320, 640, 1280), norm_num_groups=32,
+                 attention_head_dim=(5, 10, 20), transformer_layers_per_block=(1, 2, 4),
+                 cross_attention_dim=2048, addition_time_embed_dim=256, text_embeds_dim=1280,
+                 tokens=77, latent=[2, 4, 64, 64], dtype="bf16"),
+    "quick": dict(dtype="fp32"),
+}
+
+
+def regions_rows(check) -> None:
+    cfg = dict(UNET["quick" if check.args.quick else "full"])
+    dtype = cfg.pop("dtype")
+    what = "zoo sdxl-unet (tiny)" if check.args.quick else "SDXL-layout UNet, depth 1/2/4, 2x4x64x64"
+    check.row("regions", what, dtype, "fwd", lambda: regions(check, cfg, DTYPES[dtype]))
+
+
+def regions(check, overrides: dict, dtype) -> dict:
+    """Regions against the whole graph where a GPU runs the kernels.  On the 2-core CPU regions
+    cost 3-5% of a UNet step: host work per part call (interpreter, allocator, OpenMP), run
+    in series with the kernels; a GPU's asynchronous launches may hide it.  Compile seconds
+    (first call) are in one process and in this order: regions first, so a kernel another
+    plan shares with it was built by regions (Inductor reuses identical kernel sources in a
+    process) and the compile ratio to Inductor errs against regions."""
+    from convlower.tools import zoo
+
+    entry = zoo.ZOO["sdxl-unet"]
+    cfg = dict(entry.configs["tiny"], **overrides)
+    torch.manual_seed(0)
+    with warnings_off(), torch.device(check.device):   # weights made where they run
+        model, inputs = entry.builder(cfg)
+    model = model.to(dtype).eval()
+    inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
+    mods = {"eager": model,
+            "regions": torch.compile(model, backend="convlower", options={"regions": "auto"}),
+            "inductor": torch.compile(model, backend="inductor"),
+            "convlower": torch.compile(model, backend="convlower")}
+    variants = check.compare({k: _inference(f, *inputs) for k, f in mods.items()})
+    with torch.no_grad():
+        ref = model(*inputs)
+        errs = {k: _rel_err(mods[k](*inputs), ref) for k in ("regions", "inductor", "convlower")
+                if not variants[k].get("error")}
+    return {"variants": variants, "primary": "regions", "compare_to": ["convlower", "inductor"],
+            "max_rel_err": errs}
+
+
 RUNNERS = {"patch_embed": patch_embed_rows, "conv3d": conv3d_rows, "wan_vae": wan_vae_rows,
-           "snake": snake_rows}
+           "snake": snake_rows, "regions": regions_rows}

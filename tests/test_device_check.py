@@ -331,3 +331,41 @@ def test_quick_cpu_run(tmp_path):
     assert "| cold | cold |" in table and "| warm | warm |" in table
     assert "## Performance" in proc.stdout and "Qwen2.5-VL patch embed" in proc.stdout
     assert "device_check exit status 0" in (out / "device_check.log").read_text()
+
+
+def test_regions_is_a_run_of_its_own_and_its_compile_line():
+    """``regions`` (three compiles of a large UNet) is not in a default run, is accepted by
+    request, and its row's markdown gives each plan's first call and the parts."""
+    dc = load_device_check()
+    assert "regions" not in dc.parse_args(["--device", "cpu"]).section_list
+    assert dc.parse_args(["--device", "cpu", "--sections", "regions"]).section_list == ["regions"]
+    from device_check_report import compile_line
+
+    row = {"section": "regions", "case": "unet", "dtype": "bf16", "variants": {
+        "regions": {"first_call_s": 20.0, "regions": {"compiled": 19, "reused": 14}},
+        "inductor": {"first_call_s": 50.0}, "convlower": {"first_call_s": 40.0}}}
+    line = compile_line(row)
+    assert "regions 20.00 s, inductor 50.00 s, convlower 40.00 s" in line
+    assert "regions / Inductor **0.40**" in line and "19 compiled, 14 reused" in line
+
+
+@pytest.mark.slow
+def test_quick_cpu_regions_run(tmp_path):
+    """The regions section on CPU (the zoo's tiny UNet): regions really split the graph,
+    every plan ran and matched eager, and the table has the compile line."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "CONVLOWER_CACHE_DIR"}
+    env.update(OUT=str(out), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", os.path.join(REPO, "bench", "device_run.sh"), "--device", "cpu",
+                           "--quick", "--sections", "regions"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    r = json.loads((out / "device_check.json").read_text())
+    assert r["failures"] == [] and proc.returncode == 0, (r["failures"], proc.stderr[-3000:])
+    (row,) = r["perf"]["rows"]
+    assert row["section"] == "regions" and not row.get("error"), row
+    v = row["variants"]
+    assert set(v) == {"eager", "regions", "inductor", "convlower"}
+    assert all(x["median_s"] > 0 for x in v.values())
+    assert v["regions"]["regions"]["reused"] >= 1 and "regions" not in v["convlower"]
+    assert max(row["max_rel_err"].values()) < 1e-4, row["max_rel_err"]
+    assert "regions / Inductor **" in (out / "device_check.md").read_text()
