@@ -11,7 +11,8 @@ the same plan every round.  The script also checks each plan's output against ea
 
 Plans: ``inductor`` (whole graph), ``convlower`` (whole graph), ``regions`` (convlower,
 ``regions="auto"``), ``blocks`` (the model's own ``compile_repeated_blocks()``, diffusers,
-where it has one); on request ``regions-wrapped`` (``regions`` with ``part_calls="wrapped"``:
+where it has one); on request ``regions=A+B`` (regions of block classes A and B only) and
+``regions-wrapped`` (``regions`` with ``part_calls="wrapped"``:
 every part call through AOTAutograd's and Inductor's wrappers, docs/regions.md).  Compile
 seconds are ``torch.compile()`` plus the first call, minus one step.
 Break-even calls: compile seconds / (eager step - plan step).
@@ -70,11 +71,13 @@ def _plan(model, plan: str):
 
     if plan == "inductor":
         return torch.compile(model, backend="inductor")
-    if plan in ("convlower", "regions", "regions-wrapped"):
+    if plan in ("convlower", "regions", "regions-wrapped") or plan.startswith("regions="):
         import convlower  # the backend by object: works without the entry point installed
 
+        regions = ("off" if plan == "convlower" else tuple(plan[8:].split("+"))
+                   if plan.startswith("regions=") else "auto")
         return torch.compile(model, backend=convlower.convlower_backend,
-                             options={"regions": "off" if plan == "convlower" else "auto",
+                             options={"regions": regions,
                                       "part_calls": "wrapped" if plan == "regions-wrapped"
                                       else "direct"})
     inner = _own_blocks(model)
@@ -261,13 +264,14 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--plans", default=",".join(PLANS),
-                    help="a subset of " + ",".join(PLANS + MORE_PLANS))
+                    help="a subset of " + ",".join(PLANS + MORE_PLANS) + ", or regions=A+B "
+                         "(regions of those block classes only)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per child process")
     ap.add_argument("--no-warm", action="store_true", help="skip the warm-load processes")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--setup", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    unknown = set(a.plans.split(",")) - set(PLANS + MORE_PLANS)
+    unknown = {p for p in a.plans.split(",") if not p.startswith("regions=")} - set(PLANS + MORE_PLANS)
     if unknown:
         ap.error(f"unknown plans {sorted(unknown)}; valid: {', '.join(PLANS + MORE_PLANS)}")
     SETUP.update(json.loads(a.setup) if a.setup else dict(
