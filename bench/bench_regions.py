@@ -7,7 +7,8 @@ on its warm cache and times their steps interleaved with eager (ratios; this mac
 Each sample is one untimed call and then consecutive calls of one plan (~0.2 s), as a generate
 loop calls its UNet, and the plans take turns in a rotated order: a sample that starts right
 after another plan's calls pays that plan's cache traffic, and a fixed order would charge it to
-the same plan every round.  The script also checks each plan's output against eager (fp32, relative to the output's largest value).
+the same plan every round.  The script also checks each plan's output against eager (fp32,
+relative to the output's largest value).
 
 Plans: ``inductor`` (whole graph), ``convlower`` (whole graph), ``regions`` (convlower,
 ``regions="auto"``), ``blocks`` (the model's own ``compile_repeated_blocks()``, diffusers,
@@ -271,7 +272,8 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--setup", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    unknown = {p for p in a.plans.split(",") if not p.startswith("regions=")} - set(PLANS + MORE_PLANS)
+    unknown = {p for p in a.plans.split(",")
+               if not p.startswith("regions=")} - set(PLANS + MORE_PLANS)
     if unknown:
         ap.error(f"unknown plans {sorted(unknown)}; valid: {', '.join(PLANS + MORE_PLANS)}")
     SETUP.update(json.loads(a.setup) if a.setup else dict(
