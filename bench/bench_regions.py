@@ -5,10 +5,10 @@ machine's once-only ISA probe pre-made, see fresh_process.py), then
 again in a second fresh process on that cache (warm load); a last process compiles every plan
 on its warm cache and times their steps interleaved with eager (ratios; this machine is shared).
 Each sample is one untimed call and then consecutive calls of one plan (~0.2 s), as a generate
-loop calls its UNet, and the plans take turns in a rotated order: a sample that starts right
-after another plan's calls pays that plan's cache traffic, and a fixed order would charge it to
-the same plan every round.  The script also checks each plan's output against eager (fp32,
-relative to the output's largest value).
+loop calls its UNet: the untimed call absorbs the traffic of whatever ran before.  The plans
+take turns in an order rotated each round, so no plan always samples first or last.  The
+script also checks each plan's output against eager (fp32, relative to the output's largest
+value).
 
 Plans: ``inductor`` (whole graph), ``convlower`` (whole graph), ``regions`` (convlower,
 ``regions="auto"``), ``blocks`` (the model's own ``compile_repeated_blocks()``, diffusers,
@@ -241,8 +241,9 @@ def table(name: str, res: dict) -> str:
 
 
 def _against_whole(name: str, steps: dict) -> str:
-    """Regions against convlower's whole graph, per round (the cost of the seams alone: on a
-    model where no conv is rewritten the whole graph runs Inductor's own code)."""
+    """Regions against convlower's whole graph, per round: the cost of splitting (seams, lost
+    fusion across blocks, calling each part); on a model where no conv is rewritten the whole
+    graph runs Inductor's own code."""
     ratios = steps.get("step_ratios", {})
     whole = ratios.get("convlower")
     out = []
@@ -282,7 +283,7 @@ def main() -> None:
     if a.child:
         kind, *rest = json.loads(a.child)
         fn = child_compile if kind == "compile" else child_steps
-        args = rest if kind == "compile" else rest[:4] + [a.rounds]
+        args = rest   # the parent's --rounds travels inside the child's arguments
         print(json.dumps(fn(*args)))
         return
     print("| model | plan | cold compile s | warm load s | step ms | cold / Inductor | "

@@ -22,9 +22,9 @@ printed), rewritten after every row, so a run cut short still leaves its files:
    VAE decode in bf16; the Oobleck decoder's Snake in bf16, fused against the eager-safe op.
 3. **On request, regions** (``--sections regions``, a run of its own: three compiles of a large
    UNet): an SDXL-layout UNet (SDXL's widths, transformer depth 1/2/4, 2x4x64x64, bf16) with
-   convlower's regions against convlower's and Inductor's whole graph: step, and the first
-   call's compile seconds (one process, regions compiled first) (issue 20: on the CPU regions
-   cost 3-5% of a step in host work, which a GPU may hide).
+   convlower's regions against convlower's and Inductor's whole graph: step (samples of ~0.2 s
+   of consecutive calls, as a generate loop runs them) and the first call's compile seconds
+   (issue 20: on the CPU regions cost 3-5% of a step in host work, which a GPU may hide).
 
 Timing (:mod:`convlower.tools.device_timing`): CUDA events on a GPU (the wall clock with
 device synchronisation on a CPU), warm-up calls, samples of several calls, the median over
@@ -83,9 +83,9 @@ except Exception:  # recorded in the files; the run still writes them
 
 SCHEMA = 1
 PINNED_TORCH = "2.13.0"
-SECTIONS = ("patch_embed", "tests", "conv3d", "wan_vae", "snake", "regions")  # in this order
+SECTIONS = ("patch_embed", "tests", "conv3d", "wan_vae", "snake", "regions")
 # regions compiles a large UNet three times: a run of its own (bench/device_run.sh)
-DEFAULT_SECTIONS = SECTIONS[:-1]
+DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s != "regions")
 RESERVE_S = 8.0  # kept back at the end for writing the files
 
 PLANS = {
@@ -215,6 +215,7 @@ class Check:
         self.out = args.out
         self.lock = threading.RLock()
         self.tests_proc = None  # the child pytest, for the watchdog
+        self.current_row: dict | None = None  # compare() fills its variants as they finish
         self.results = {
             "schema": SCHEMA, "quick": args.quick, "command": " ".join(sys.argv),
             "budget_s": self.budget_s, "environment": {"device": str(self.device)},
@@ -293,7 +294,9 @@ class Check:
             self.log(f"{section}: {case} {dtype} {mode} (limit {self.limit(section):.0f} s)")
             t0 = time.perf_counter()
             self._reset()
+            self.current_row = row   # a row stopped at its limit keeps the variants it finished
             err = self.bounded(lambda: row.update(build()), self.limit(section))
+            self.current_row = None
             if err is not None:
                 row["error"] = f"{type(err).__name__}: {err}"[:2000]
                 row["traceback"] = "".join(traceback.format_exception(err))[-4000:]
@@ -328,14 +331,21 @@ class Check:
         self.results["diagnosis"][key] = d
 
     # -- timing a set of variants
-    def compare(self, fns: dict) -> dict:
+    def compare(self, fns: dict, rounds: int | None = None,
+                min_sample_s: float | None = None) -> dict:
         """Run each variant once (its compile: seconds and convlower's report are kept), then
-        time all of them interleaved."""
-        variants = {name: self._first_call(name, fn) for name, fn in fns.items()}
+        time all of them interleaved (``rounds``, ``min_sample_s``: the plan's unless given).
+        The variants go into the running row as they finish, so a row stopped at its limit
+        keeps the first calls it made."""
+        row = self.current_row if self.current_row is not None else {}
+        variants = row.setdefault("variants", {})
+        for name, fn in fns.items():
+            variants[name] = self._first_call(name, fn)
         live = {k: f for k, f in fns.items() if "error" not in variants[k]}
-        timings = time_interleaved(live, clock=self.clock, rounds=self.plan["rounds"],
+        timings = time_interleaved(live, clock=self.clock,
+                                   rounds=rounds or self.plan["rounds"],
                                    warmup=self.plan["warmup"],
-                                   min_sample_s=self.plan["min_sample_s"])
+                                   min_sample_s=min_sample_s or self.plan["min_sample_s"])
         for name, t in timings.items():
             variants[name].update(t.to_dict())
         return variants
@@ -362,7 +372,7 @@ class Check:
                 info["snake_routes"] = dict(collections.Counter(s.route for s in rep.snake))
             parts = list(getattr(rep, "regions", ()))
             if parts:  # "compiled", "reused", "runs as is", "compiled whole"
-                info["regions"] = dict(collections.Counter(
+                info["region_parts"] = dict(collections.Counter(
                     r.how.split(":")[0].split(" (")[0] for r in parts))
         except Exception as e:
             info["error"] = f"{type(e).__name__}: {e}"[:1000]

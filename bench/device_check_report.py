@@ -3,6 +3,8 @@ docs/benchmarks.md under "## GPU" as the device's own section.  Pure functions o
 dict (``bench/device_check.py`` writes it); nothing here imports torch or convlower."""
 from __future__ import annotations
 
+import statistics
+
 
 def markdown(r: dict) -> str:
     env = r["environment"]
@@ -54,8 +56,9 @@ def _perf(r: dict) -> list:
               "goal for bf16 patch embedding, < 1.05 for fp32).  `compiled mm` = the same "
               "flatten + mm compiled by Inductor (same per-call overhead as any compiled call), "
               "`bare mm` = one eager `torch.mm`.  Snake rows: convlower = the fused route, "
-              "others = the eager-safe op (what HIP + bf16 gets).  Regions row: convlower = "
-              "regions, others = the whole graph, convlower's and Inductor's."]
+              "others = the eager-safe op (what HIP + bf16 gets).  Regions row: the convlower "
+              "column is regions, others holds convlower's whole graph, and the ratio and "
+              "`chose` columns are regions' (regions / X < 1: regions faster)."]
     return lines
 
 
@@ -98,15 +101,32 @@ def _compile(r: dict) -> list:
 
 
 def compile_line(row: dict) -> str:
-    """A regions row's first calls (compile seconds, one process, regions first) and parts."""
+    """A regions row: per-round step ratios of regions to each whole graph, the first calls
+    (compile seconds, one process, in the row's order) and the parts."""
     v = row["variants"]
+    steps = "; ".join(f"regions / {k} {_round_ratios(v, 'regions', k)}"
+                      for k in ("convlower", "inductor") if k in v)
     first = {k: v[k].get("first_call_s") for k in ("regions", "inductor", "convlower") if k in v}
     secs = ", ".join(f"{k} {_num(s)} s" for k, s in first.items())
-    cold = (f"; regions / Inductor **{first['regions'] / first['inductor']:.2f}**"
-            if first.get("regions") and first.get("inductor") else "")
-    parts = ", ".join(f"{n} {k}" for k, n in (v.get("regions", {}).get("regions") or {}).items())
-    return (f"\n{row['case']} {row['dtype']}: first call (compile) {secs}{cold}; regions' parts: "
-            f"{parts or '-'}.")
+    ratio_ = (f"; regions / Inductor **{first['regions'] / first['inductor']:.2f}** (< 1: "
+              f"regions compiles faster)" if first.get("regions") and first.get("inductor")
+              else "")
+    parts = ", ".join(f"{n} {k}" for k, n in
+                      (v.get("regions", {}).get("region_parts") or {}).items())
+    return (f"\n{row['case']} {row['dtype']}: step per round (median, quartiles) "
+            f"{steps or '-'}.  First call (compile), one process in this order: {secs}"
+            f"{ratio_}; convlower's whole graph came last and reused kernels and decisions the "
+            f"two before it built.  Regions' parts: {parts or '-'}.")
+
+
+def _round_ratios(v: dict, a: str, b: str) -> str:
+    """The median and quartiles of ``a``'s samples over ``b``'s, round by round."""
+    r = [x / y for x, y in zip(v.get(a, {}).get("samples") or [],
+                               v.get(b, {}).get("samples") or []) if y]
+    if len(r) < 2:
+        return f"{r[0]:.3f}" if r else "-"
+    q1, med, q3 = statistics.quantiles(r, n=4)
+    return f"**{med:.3f}** ({q1:.2f}-{q3:.2f})"
 
 
 def summary_line(row: dict) -> str:

@@ -307,14 +307,16 @@ def snake(check, frames: int) -> dict:
 
 
 # SDXL-layout UNet for regions (issue 20): SDXL's widths and conditioning, transformer depth
-# 1/2/4 (SDXL's 1/2/10), a 512-pixel latent, batch 2 (classifier-free guidance).  Quick: the
-# zoo's tiny sdxl-unet on the CPU.
+# 1/2/4 (SDXL's 1/2/10), the latent of a 512x512 image, batch 2 (classifier-free guidance);
+# each a change to the zoo's sdxl-unet "tiny" config (its layout and the keys its builder
+# reads).  Quick: that tiny UNet on the CPU.  Steps in samples of ~0.2 s of consecutive calls
+# (a generate loop's: the host runs ahead of the GPU within a sample), 15 rounds.
 UNET = {
     "full": dict(block_out_channels=(320, 640, 1280), norm_num_groups=32,
                  attention_head_dim=(5, 10, 20), transformer_layers_per_block=(1, 2, 4),
                  cross_attention_dim=2048, addition_time_embed_dim=256, text_embeds_dim=1280,
-                 tokens=77, latent=[2, 4, 64, 64], dtype="bf16"),
-    "quick": dict(dtype="fp32"),
+                 tokens=77, latent=[2, 4, 64, 64], dtype="bf16", rounds=15, min_sample_s=0.2),
+    "quick": dict(dtype="fp32", rounds=None, min_sample_s=None),
 }
 
 
@@ -325,27 +327,44 @@ def regions_rows(check) -> None:
     check.row("regions", what, dtype, "fwd", lambda: regions(check, cfg, DTYPES[dtype]))
 
 
+def unet_config(overrides: dict) -> dict:
+    """The zoo's tiny sdxl-unet config with ``overrides`` (dtype and timing keys left out)."""
+    from convlower.tools import zoo
+
+    cfg = dict(zoo.ZOO["sdxl-unet"].configs["tiny"], **overrides)
+    for k in ("dtype", "rounds", "min_sample_s"):
+        cfg.pop(k, None)
+    return cfg
+
+
 def regions(check, overrides: dict, dtype) -> dict:
     """Regions against the whole graph where a GPU runs the kernels.  On the 2-core CPU regions
     cost 3-5% of a UNet step: host work per part call (interpreter, allocator, OpenMP), run
-    in series with the kernels; a GPU's asynchronous launches may hide it.  Compile seconds
-    (first call) are in one process and in this order: regions first, so a kernel another
-    plan shares with it was built by regions (Inductor reuses identical kernel sources in a
-    process) and the compile ratio to Inductor errs against regions."""
+    in series with the kernels; a GPU's asynchronous launches may hide it.  First calls
+    (compile seconds) run in one process in the order of ``mods``: regions pays the process's
+    one-time costs (its first Inductor and Triton compiles, the compile workers, the first
+    trace of the diffusers code, convlower's probe and cold selection), so its ratio to
+    Inductor errs against regions; convlower's whole graph comes last and reuses what the
+    two before it built (same-named kernels, conv decisions): its first call is no cold
+    compile (the report says so)."""
     from convlower.tools import zoo
 
-    entry = zoo.ZOO["sdxl-unet"]
-    cfg = dict(entry.configs["tiny"], **overrides)
     torch.manual_seed(0)
     with warnings_off(), torch.device(check.device):   # weights made where they run
-        model, inputs = entry.builder(cfg)
+        model, inputs = zoo.ZOO["sdxl-unet"].builder(unet_config(overrides))
     model = model.to(dtype).eval()
     inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
     mods = {"eager": model,
             "regions": torch.compile(model, backend="convlower", options={"regions": "auto"}),
             "inductor": torch.compile(model, backend="inductor"),
             "convlower": torch.compile(model, backend="convlower")}
-    variants = check.compare({k: _inference(f, *inputs) for k, f in mods.items()})
+    variants = check.compare({k: _inference(f, *inputs) for k, f in mods.items()},
+                             rounds=overrides.get("rounds"),
+                             min_sample_s=overrides.get("min_sample_s"))
+    reg = variants["regions"]
+    if not reg.get("error") and not (reg.get("region_parts") or {}).get("reused"):
+        # convlower falls back to the whole graph when splitting fails: not a regions figure
+        reg["error"] = f"regions reused no part: {reg.get('region_parts')}"
     with torch.no_grad():
         ref = model(*inputs)
         errs = {k: _rel_err(mods[k](*inputs), ref) for k in ("regions", "inductor", "convlower")

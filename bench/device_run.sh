@@ -4,8 +4,8 @@
 #
 #     bash bench/device_run.sh                       # every section, 330 s budget
 #     bash bench/device_run.sh --sections conv3d,wan_vae,snake --budget-s 300
-#     DEVICE_RUN_TIMEOUT_S=590 bash bench/device_run.sh --sections regions --budget-s 540
-#                                                    # (timeout_s 600: regions, a run of its own)
+#     DEVICE_RUN_TIMEOUT_S=575 bash bench/device_run.sh --sections regions --budget-s 540
+#                     # (timeout_s 600, and as much device time left: regions, a run of its own)
 #
 # Installs the carried wheels (.whl/, ignored via .git/info/exclude: packages the machine lacks;
 # for the H200 image: diffusers==0.42.1 alone (py3-none-any; its other needs are there), made with
