@@ -108,15 +108,15 @@ def compile_line(row: dict) -> str:
                       for k in ("convlower", "inductor") if k in v)
     first = {k: v[k].get("first_call_s") for k in ("regions", "inductor", "convlower") if k in v}
     secs = ", ".join(f"{k} {_num(s)} s" for k, s in first.items())
-    compile_ratio = (f"; regions / Inductor **{first['regions'] / first['inductor']:.2f}** (< 1: "
-              f"regions compiles faster)" if first.get("regions") and first.get("inductor")
-              else "")
+    compile_ratio = (f"; regions / Inductor **{first['regions'] / first['inductor']:.2f}** "
+                     f"(< 1: regions compiles faster)"
+                     if first.get("regions") and first.get("inductor") else "")
     parts = ", ".join(f"{n} {k}" for k, n in
                       (v.get("regions", {}).get("region_parts") or {}).items())
     return (f"\n{row['case']} {row['dtype']}: step per round (median, quartiles) "
             f"{steps or '-'}.  First call (compile), one process in this order: {secs}"
-            f"{compile_ratio}; convlower's whole graph came last and reused kernels and decisions the "
-            f"two before it built.  Regions' parts: {parts or '-'}.")
+            f"{compile_ratio}; convlower's whole graph came last and reused kernels and "
+            f"decisions the two before it built.  Regions' parts: {parts or '-'}.")
 
 
 def _round_ratios(v: dict, a: str, b: str) -> str:
