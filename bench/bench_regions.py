@@ -205,13 +205,18 @@ def _regions_label(cold: dict) -> str:
     return f" ({cold['compiled']} compiled / {cold['reused']} reused of {cold['parts']})"
 
 
+def _median_quartiles(ratios: list):
+    """``"median (q1-q3)"`` of per-round ratios, or None with fewer than four rounds."""
+    if len(ratios) < 4:
+        return None
+    q1, med, q3 = statistics.quantiles(sorted(ratios), n=4)
+    return f"{med:.3f} ({q1:.2f}-{q3:.2f})"
+
+
 def _step_ratio(steps: dict, plan: str, fallback: float) -> str:
     """The median of the per-round step ratios to Inductor, with their quartiles."""
-    r = sorted(steps.get("step_ratios", {}).get(plan, []))
-    if len(r) < 4:
-        return f"{fallback:.3f}"
-    q1, med, q3 = statistics.quantiles(r, n=4)
-    return f"{med:.3f} ({q1:.2f}-{q3:.2f})"
+    return (_median_quartiles(steps.get("step_ratios", {}).get(plan, []))
+            or f"{fallback:.3f}")
 
 
 def table(name: str, res: dict) -> str:
@@ -248,10 +253,9 @@ def _against_whole(name: str, steps: dict) -> str:
     whole = ratios.get("convlower")
     out = []
     for plan in (p for p in ratios if p.startswith("regions")):
-        r = [a / b for a, b in zip(ratios[plan], whole or [])]
-        if len(r) >= 4:
-            q1, med, q3 = statistics.quantiles(sorted(r), n=4)
-            out.append(f"{plan} {med:.3f} ({q1:.2f}-{q3:.2f})")
+        figure = _median_quartiles([a / b for a, b in zip(ratios[plan], whole or [])])
+        if figure:
+            out.append(f"{plan} {figure}")
     return f"{name}: step / convlower whole-graph (per-round median, quartiles): " \
         f"{'; '.join(out)}" if out else ""
 
