@@ -315,29 +315,29 @@ UNET = {
     "full": dict(block_out_channels=(320, 640, 1280), norm_num_groups=32,
                  attention_head_dim=(5, 10, 20), transformer_layers_per_block=(1, 2, 4),
                  cross_attention_dim=2048, addition_time_embed_dim=256, text_embeds_dim=1280,
-                 tokens=77, latent=[2, 4, 64, 64], dtype="bf16", rounds=15, min_sample_s=0.2),
-    "quick": dict(dtype="fp32", rounds=None, min_sample_s=None),
+                 tokens=77, latent=[2, 4, 64, 64]),
+    "quick": {},
 }
+UNET_RUN = {"full": dict(dtype="bf16", rounds=15, min_sample_s=0.2),
+            "quick": dict(dtype="fp32", rounds=None, min_sample_s=None)}  # None: the plan's
 
 
 def regions_rows(check) -> None:
-    cfg = dict(UNET["quick" if check.args.quick else "full"])
-    dtype = cfg.pop("dtype")
-    what = "zoo sdxl-unet (tiny)" if check.args.quick else "SDXL-layout UNet, depth 1/2/4, 2x4x64x64"
-    check.row("regions", what, dtype, "fwd", lambda: regions(check, cfg, DTYPES[dtype]))
+    size = "quick" if check.args.quick else "full"
+    run = UNET_RUN[size]
+    what = ("zoo sdxl-unet (tiny)" if check.args.quick
+            else "SDXL-layout UNet, depth 1/2/4, 2x4x64x64")
+    check.row("regions", what, run["dtype"], "fwd", lambda: regions(check, UNET[size], run))
 
 
 def unet_config(overrides: dict) -> dict:
-    """The zoo's tiny sdxl-unet config with ``overrides`` (dtype and timing keys left out)."""
+    """The zoo's tiny sdxl-unet config with ``overrides``."""
     from convlower.tools import zoo
 
-    cfg = dict(zoo.ZOO["sdxl-unet"].configs["tiny"], **overrides)
-    for k in ("dtype", "rounds", "min_sample_s"):
-        cfg.pop(k, None)
-    return cfg
+    return dict(zoo.ZOO["sdxl-unet"].configs["tiny"], **overrides)
 
 
-def regions(check, overrides: dict, dtype) -> dict:
+def regions(check, overrides: dict, run: dict) -> dict:
     """Regions against the whole graph where a GPU runs the kernels.  On the 2-core CPU regions
     cost 3-5% of a UNet step: host work per part call (interpreter, allocator, OpenMP), run
     in series with the kernels; a GPU's asynchronous launches may hide it.  First calls
@@ -349,6 +349,7 @@ def regions(check, overrides: dict, dtype) -> dict:
     compile (the report says so)."""
     from convlower.tools import zoo
 
+    dtype = DTYPES[run["dtype"]]
     torch.manual_seed(0)
     with warnings_off(), torch.device(check.device):   # weights made where they run
         model, inputs = zoo.ZOO["sdxl-unet"].builder(unet_config(overrides))
@@ -359,8 +360,7 @@ def regions(check, overrides: dict, dtype) -> dict:
             "inductor": torch.compile(model, backend="inductor"),
             "convlower": torch.compile(model, backend="convlower")}
     variants = check.compare({k: _inference(f, *inputs) for k, f in mods.items()},
-                             rounds=overrides.get("rounds"),
-                             min_sample_s=overrides.get("min_sample_s"))
+                             rounds=run["rounds"], min_sample_s=run["min_sample_s"])
     reg = variants["regions"]
     if not reg.get("error") and not (reg.get("region_parts") or {}).get("reused"):
         # convlower falls back to the whole graph when splitting fails: not a regions figure
