@@ -61,8 +61,7 @@ def _call_compiled(split_gm: torch.fx.GraphModule, part: str, fn: Callable,
     its outputs' traced strides, which the parts reading them were compiled for
     (seams.output_strides), checked on the first call; ``wrapped``: never called straight into
     Inductor's code (it may write in place, or ``part_calls="wrapped"``; torch_direct.py);
-    ``settled``
-    hears on the first call whether later ones are.
+    ``settled`` hears on the first call whether later ones are.
     ``split_gm.meta["compiled_parts"]`` names them, for a saved compile (torch_saved.py).
     A UNet step calls some 30 parts: each layer of wrapper left out is 2-5 us per part, more
     with caches cold between kernels."""
